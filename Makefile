@@ -1,0 +1,31 @@
+# Two commands do all set-up: `make demo` and `make test`.
+PYTHON ?= python3
+VENV ?= .venv
+PY := $(VENV)/bin/python
+STAMP := $(VENV)/.gradcoll-installed
+SRC_DEPS := pyproject.toml setup.py gradcoll/_kernels/_cython_kernels.pyx
+
+.PHONY: test demo bench install clean
+
+$(PY):
+	$(PYTHON) -m venv $(VENV)
+	$(PY) -m pip install -q --upgrade pip
+
+$(STAMP): $(SRC_DEPS) | $(PY)
+	$(PY) -m pip install -q "setuptools>=68" wheel "cython>=3.0" "numpy>=1.24"
+	$(PY) -m pip install -q --no-build-isolation -e ".[test]"
+	@touch $(STAMP)
+
+install: $(STAMP)
+
+test: $(STAMP)
+	GRADCOLL_REQUIRE_EXTENSION=1 $(PY) -m pytest -q
+
+demo: $(STAMP)
+	$(PY) -m gradcoll demo
+
+bench: $(STAMP)
+	$(PY) -m pytest benches/bench_kernels.py --benchmark-enable --benchmark-only -q
+
+clean:
+	rm -rf build *.egg-info gradcoll/_kernels/*.so gradcoll/_kernels/_cython_kernels.c

@@ -1,0 +1,36 @@
+"""gradcoll: fast, safe gradient averaging across the workers of a data-parallel job."""
+
+from __future__ import annotations
+
+from . import kernels
+from .errors import (
+    BackendUnavailable,
+    CollectiveMismatch,
+    CollectiveTimeout,
+    GradcollError,
+    GroupPoisoned,
+    NonFiniteError,
+    ProtocolError,
+    TransportBroken,
+    TransportClosed,
+    TransportError,
+    UsageError,
+)
+
+__version__ = "0.1.0"
+
+__all__ = [
+    "kernels",
+    "GradcollError",
+    "UsageError",
+    "NonFiniteError",
+    "ProtocolError",
+    "TransportError",
+    "TransportClosed",
+    "TransportBroken",
+    "CollectiveTimeout",
+    "CollectiveMismatch",
+    "GroupPoisoned",
+    "BackendUnavailable",
+    "__version__",
+]

@@ -1,0 +1,194 @@
+# cython: language_level=3, boundscheck=False, wraparound=False, cdivision=True, initializedcheck=False
+"""Compiled CPU kernels: the low-overhead path for small buffers.
+
+Same contract and summation order as the NumPy reference: for every element,
+contributions are added in order 0..n-1 in the accumulation type, then
+divided once. The finite check is branch-free: it ORs the exponent bits of
+each result block and tests the flag once per block; a NaN/Inf in any input
+always reaches the sum (NaN and Inf propagate through addition), as does an
+overflow. The caller locates the culprit on the error path only.
+"""
+
+cimport numpy as cnp
+from libc.stdint cimport uint32_t, uint64_t
+from libc.stdlib cimport malloc, free
+from libc.string cimport memcpy
+
+cnp.import_array()
+
+ctypedef fused src_t:
+    float
+    double
+
+ctypedef fused acc_t:
+    float
+    double
+
+cdef enum:
+    BLOCK = 2048
+    STACK_PTRS = 64
+
+
+cdef inline bint _block_finite(acc_t* p, Py_ssize_t k) noexcept nogil:
+    cdef Py_ssize_t i
+    cdef uint32_t b32, m32 = 0
+    cdef uint64_t b64, m64 = 0
+    if acc_t is float:
+        for i in range(k):
+            memcpy(&b32, &p[i], 4)
+            m32 |= ((b32 & 0x7f800000u) + 0x00800000u)
+        return (m32 & 0x80000000u) == 0
+    else:
+        for i in range(k):
+            memcpy(&b64, &p[i], 8)
+            m64 |= ((b64 & 0x7ff0000000000000ull) + 0x0010000000000000ull)
+        return (m64 & 0x8000000000000000ull) == 0
+
+
+cdef bint _reduce(src_t** xs, Py_ssize_t n, Py_ssize_t m, acc_t* out, acc_t divisor, bint dodiv, bint check) noexcept nogil:
+    cdef Py_ssize_t lo, hi, i, j, k
+    cdef bint ok = True
+    cdef acc_t* o
+    cdef src_t* x
+    lo = 0
+    while lo < m:
+        hi = lo + BLOCK
+        if hi > m:
+            hi = m
+        k = hi - lo
+        o = out + lo
+        x = xs[0] + lo
+        for i in range(k):
+            o[i] = <acc_t>x[i]
+        for j in range(1, n):
+            x = xs[j] + lo
+            for i in range(k):
+                o[i] = o[i] + <acc_t>x[i]
+        if dodiv:
+            for i in range(k):
+                o[i] = o[i] / divisor
+        if check and not _block_finite(o, k):
+            ok = False
+        lo = hi
+    return ok
+
+
+cdef bint _accumulate(acc_t* acc, acc_t* x, Py_ssize_t m, acc_t scale, bint doscale, acc_t divisor, bint dodiv, bint check) noexcept nogil:
+    cdef Py_ssize_t lo, hi, i, k
+    cdef bint ok = True
+    cdef acc_t* a
+    cdef acc_t* b
+    lo = 0
+    while lo < m:
+        hi = lo + BLOCK
+        if hi > m:
+            hi = m
+        k = hi - lo
+        a = acc + lo
+        b = x + lo
+        for i in range(k):
+            a[i] = a[i] + b[i]
+        if dodiv:
+            for i in range(k):
+                a[i] = a[i] / divisor
+        if doscale:
+            for i in range(k):
+                a[i] = a[i] * scale
+        if check and not _block_finite(a, k):
+            ok = False
+        lo = hi
+    return ok
+
+
+cdef bint _run_reduce(void** ptrs, Py_ssize_t n, Py_ssize_t m, cnp.ndarray out, int src64, double divisor, bint check):
+    cdef bint dodiv = divisor != 1.0
+    cdef bint ok
+    cdef int acc64 = cnp.PyArray_TYPE(out) == cnp.NPY_DOUBLE
+    cdef void* po = cnp.PyArray_DATA(out)
+    with nogil:
+        if src64:
+            ok = _reduce[double, double](<double**>ptrs, n, m, <double*>po, divisor, dodiv, check)
+        elif acc64:
+            ok = _reduce[float, double](<float**>ptrs, n, m, <double*>po, divisor, dodiv, check)
+        else:
+            ok = _reduce[float, float](<float**>ptrs, n, m, <float*>po, <float>divisor, dodiv, check)
+    return ok
+
+
+def reduce_list(list rows, cnp.ndarray out, double divisor, bint check):
+    """Fixed-order reduce of a list of contiguous 1-D float arrays into ``out``."""
+    cdef Py_ssize_t n = len(rows), j
+    cdef void* stack[STACK_PTRS]
+    cdef void** ptrs = stack
+    cdef cnp.ndarray r
+    cdef int src64 = 0
+    if n > STACK_PTRS:
+        ptrs = <void**>malloc(n * sizeof(void*))
+        if ptrs == NULL:
+            raise MemoryError()
+    try:
+        for j in range(n):
+            r = <cnp.ndarray>rows[j]
+            ptrs[j] = cnp.PyArray_DATA(r)
+        src64 = cnp.PyArray_TYPE(<cnp.ndarray>rows[0]) == cnp.NPY_DOUBLE
+        return _run_reduce(ptrs, n, cnp.PyArray_SIZE(out), out, src64, divisor, check)
+    finally:
+        if ptrs != stack:
+            free(ptrs)
+
+
+def reduce_2d(cnp.ndarray x, cnp.ndarray out, double divisor, bint check):
+    """Fixed-order reduce of the rows of a C-contiguous 2-D float array into ``out``."""
+    cdef Py_ssize_t n = x.shape[0], m = x.shape[1], j
+    cdef void* stack[STACK_PTRS]
+    cdef void** ptrs = stack
+    cdef char* base = <char*>cnp.PyArray_DATA(x)
+    cdef Py_ssize_t rowbytes = m * cnp.PyArray_ITEMSIZE(x)
+    if n > STACK_PTRS:
+        ptrs = <void**>malloc(n * sizeof(void*))
+        if ptrs == NULL:
+            raise MemoryError()
+    try:
+        for j in range(n):
+            ptrs[j] = base + j * rowbytes
+        return _run_reduce(ptrs, n, m, out, cnp.PyArray_TYPE(x) == cnp.NPY_DOUBLE, divisor, check)
+    finally:
+        if ptrs != stack:
+            free(ptrs)
+
+
+def accumulate(cnp.ndarray acc, cnp.ndarray x, scale, divisor, bint check):
+    """In place ``acc += x`` (then ``/= divisor``, ``*= scale``); True when all finite."""
+    cdef Py_ssize_t m = cnp.PyArray_SIZE(acc)
+    cdef bint doscale = scale is not None
+    cdef bint dodiv = divisor is not None and divisor != 1
+    cdef double s = scale if doscale else 1.0
+    cdef double d = divisor if dodiv else 1.0
+    cdef bint ok
+    cdef void* pa = cnp.PyArray_DATA(acc)
+    cdef void* px = cnp.PyArray_DATA(x)
+    with nogil:
+        if cnp.PyArray_TYPE(acc) == cnp.NPY_DOUBLE:
+            ok = _accumulate[double](<double*>pa, <double*>px, m, s, doscale, d, dodiv, check)
+        else:
+            ok = _accumulate[float](<float*>pa, <float*>px, m, <float>s, doscale, <float>d, dodiv, check)
+    return ok
+
+
+def is_all_finite(cnp.ndarray buf):
+    """True when every element of the contiguous float buffer is finite."""
+    cdef Py_ssize_t m = cnp.PyArray_SIZE(buf), lo = 0, k
+    cdef bint ok = True
+    cdef void* p = cnp.PyArray_DATA(buf)
+    cdef int is64 = cnp.PyArray_TYPE(buf) == cnp.NPY_DOUBLE
+    with nogil:
+        while lo < m and ok:
+            k = m - lo
+            if k > BLOCK:
+                k = BLOCK
+            if is64:
+                ok = _block_finite[double](<double*>p + lo, k)
+            else:
+                ok = _block_finite[float](<float*>p + lo, k)
+            lo += k
+    return ok

@@ -1,0 +1,96 @@
+"""NumPy reference kernels: the oracle every other backend is tested against.
+
+Summation order is fixed: ``acc = x[0]; acc += x[1]; ...; acc += x[n-1]``,
+element by element, in the accumulation dtype; a mean then divides by ``n``.
+The finite check looks at the result: any NaN/Inf input makes the sum
+non-finite (NaN and Inf propagate through addition), and so does an overflow.
+The exact culprit is located afterwards by :func:`locate_nonfinite`.
+"""
+
+from __future__ import annotations
+
+from typing import Sequence
+
+import numpy as np
+
+from ..errors import NonFiniteError
+
+__all__ = ["reduce_rows", "accumulate", "is_all_finite", "locate_nonfinite", "raise_nonfinite"]
+
+
+def reduce_rows(
+    rows: Sequence[np.ndarray], out: np.ndarray, acc_dtype: np.dtype, divisor: float, check: bool
+) -> bool:
+    """Sum ``rows`` in order into ``out`` (divided by ``divisor``); return True if all finite."""
+    acc = np.array(rows[0], dtype=acc_dtype, copy=True)
+    for r in rows[1:]:
+        if r.dtype == acc_dtype:
+            np.add(acc, r, out=acc)
+        else:
+            np.add(acc, r.astype(acc_dtype), out=acc)
+    if divisor != 1:
+        np.divide(acc, acc_dtype.type(divisor), out=acc)
+    np.copyto(out, acc, casting="unsafe")
+    if check:
+        return bool(np.isfinite(out).all())
+    return True
+
+
+def accumulate(acc: np.ndarray, x: np.ndarray, scale: float | None, divisor: float | None, check: bool) -> bool:
+    """``acc += x`` then optional ``*= scale`` or ``/= divisor``; return True if all finite."""
+    np.add(acc, x, out=acc, casting="unsafe")
+    if divisor is not None and divisor != 1:
+        np.divide(acc, acc.dtype.type(divisor), out=acc)
+    if scale is not None:
+        np.multiply(acc, acc.dtype.type(scale), out=acc)
+    if check:
+        return bool(np.isfinite(acc).all())
+    return True
+
+
+def is_all_finite(buf: np.ndarray) -> bool:
+    """True when every element of ``buf`` is finite."""
+    return bool(np.isfinite(buf).all())
+
+
+def locate_nonfinite(rows: Sequence[np.ndarray]) -> tuple[int | None, int | None, float | None]:
+    """Return (contributor, element, value) of the first non-finite input, scanning
+    element-major (lowest element first, then lowest contributor), or Nones."""
+    best: tuple[int, int, float] | None = None
+    for j, r in enumerate(rows):
+        flat = np.asarray(r).reshape(-1)
+        bad = np.flatnonzero(~np.isfinite(flat))
+        if bad.size:
+            i = int(bad[0])
+            if best is None or i < best[1]:
+                best = (j, i, float(flat[i]))
+    if best is None:
+        return None, None, None
+    return best
+
+
+def raise_nonfinite(rows: Sequence[np.ndarray], result: np.ndarray | None = None, what: str = "mean_reduce") -> None:
+    """Build and raise the precise NonFiniteError after the fast path flagged a problem."""
+    contributor, index, value = locate_nonfinite(rows)
+    if contributor is not None:
+        raise NonFiniteError(
+            f"{what}: non-finite value {value!r} in input {contributor} at element {index}",
+            contributor=contributor,
+            index=index,
+            value=value,
+        )
+    # Every input was finite: the result overflowed.
+    idx = None
+    val = None
+    if result is not None:
+        flat = result.reshape(-1)
+        bad = np.flatnonzero(~np.isfinite(flat))
+        if bad.size:
+            idx = int(bad[0])
+            val = float(flat[idx])
+    raise NonFiniteError(
+        f"{what}: result overflowed to {val!r} at element {idx} although every input is finite",
+        contributor=None,
+        index=idx,
+        value=val,
+    )

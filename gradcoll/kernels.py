@@ -1,0 +1,230 @@
+"""Fused mean-reduce + finite-check kernels (public API).
+
+One pass over memory averages (or sums) the contributions of several workers
+and detects any NaN or +/-Inf. Every backend adds contributions in the same
+fixed order (0, 1, ..., n-1 for every element), so all CPU backends give
+bit-identical results for the same inputs, whatever the thread count.
+
+Backends: ``numpy`` (reference), ``numba`` (threads for large buffers),
+``cython`` (compiled, lowest per-call cost for small buffers), ``cuda`` and
+``cudasim`` (numba.cuda on a GPU or under its simulator). ``backend=None``
+picks the fastest for the buffer; ``GRADCOLL_KERNELS`` overrides it.
+
+Non-contiguous *inputs* are copied to contiguous memory first (an extra pass);
+``out`` and the in-place buffers of :func:`accumulate`, :func:`scale` must be
+C-contiguous. float16 inputs are accumulated in float32.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Sequence
+
+import numpy as np
+
+from ._kernels import reference
+from ._kernels.select import available_backends, choose_backend, load_backend
+from .errors import NonFiniteError, UsageError
+
+__all__ = [
+    "mean_reduce",
+    "accumulate",
+    "check_finite",
+    "scale",
+    "available_backends",
+    "select_backend",
+    "warmup",
+    "NonFiniteError",
+]
+
+_FLOATS = (np.dtype(np.float16), np.dtype(np.float32), np.dtype(np.float64))
+_OPS = {"mean": True, "sum": False}
+
+
+def _is_device(x: Any) -> bool:
+    return hasattr(x, "__cuda_array_interface__") and not isinstance(x, np.ndarray)
+
+
+def _host_contig(x: Any, what: str) -> np.ndarray:
+    a = np.asarray(x)
+    if a.dtype not in _FLOATS:
+        raise UsageError(f"{what} has dtype {a.dtype}; gradcoll kernels take float16, float32 or float64")
+    if not a.flags.c_contiguous:
+        a = np.ascontiguousarray(a)  # documented copy
+    return a
+
+
+def _acc_dtype(dtype: np.dtype, accumulate_dtype: Any) -> np.dtype:
+    if accumulate_dtype is not None:
+        acc = np.dtype(accumulate_dtype)
+        if acc not in _FLOATS[1:]:
+            raise UsageError(f"accumulate_dtype must be float32 or float64, got {acc}")
+        return acc if acc.itemsize >= max(dtype.itemsize, 4) else np.dtype(np.float32)
+    return np.dtype(np.float32) if dtype == np.float16 else dtype
+
+
+def _rows(inputs: Any) -> tuple[list[np.ndarray] | np.ndarray, tuple[int, ...], np.dtype]:
+    """Normalise ``inputs`` to rows of equal shape; returns (rows, shape, dtype)."""
+    if isinstance(inputs, np.ndarray):
+        if inputs.ndim < 2:
+            raise UsageError(
+                f"a single array input must be 2-D (one row per contributor), got shape {inputs.shape}"
+            )
+        arr = _host_contig(inputs, "inputs")
+        if arr.shape[0] == 0:
+            raise UsageError("mean_reduce needs at least one contributor, got 0 rows")
+        return arr.reshape(arr.shape[0], -1), arr.shape[1:], arr.dtype
+    if isinstance(inputs, (str, bytes)) or not isinstance(inputs, Sequence):
+        raise UsageError(f"inputs must be a sequence of arrays or one 2-D array, got {type(inputs).__name__}")
+    if len(inputs) == 0:
+        raise UsageError("mean_reduce needs at least one contributor, got an empty sequence")
+    rows = [_host_contig(x, f"input {j}") for j, x in enumerate(inputs)]
+    shape, dtype = rows[0].shape, rows[0].dtype
+    for j, r in enumerate(rows):
+        if r.shape != shape:
+            raise UsageError(f"input {j} has shape {r.shape}, input 0 has shape {shape}")
+        if r.dtype != dtype:
+            raise UsageError(f"input {j} has dtype {r.dtype}, input 0 has dtype {dtype}")
+    return [r.reshape(-1) for r in rows], shape, dtype
+
+
+def _check_out(out: Any, shape: tuple[int, ...], what: str = "out") -> np.ndarray:
+    if not isinstance(out, np.ndarray):
+        raise UsageError(f"{what} must be a numpy array, got {type(out).__name__}")
+    if out.shape != shape:
+        raise UsageError(f"{what} has shape {out.shape}, the result has shape {shape}")
+    if out.dtype not in _FLOATS:
+        raise UsageError(f"{what} has dtype {out.dtype}; expected float16, float32 or float64")
+    if not out.flags.c_contiguous or not out.flags.writeable:
+        raise UsageError(f"{what} must be a writeable C-contiguous array")
+    return out
+
+
+def mean_reduce(
+    inputs: Any,
+    out: np.ndarray | None = None,
+    *,
+    op: str = "mean",
+    check_finite: bool = True,
+    backend: str | None = None,
+    accumulate_dtype: Any = None,
+) -> Any:
+    """Element-wise mean (or sum, ``op="sum"``) of several equal-shape arrays in one pass.
+
+    ``inputs`` is a sequence of arrays or one array whose first axis indexes
+    the contributors. Raises :class:`NonFiniteError` (naming the contributor,
+    element index and value) if any input holds NaN/Inf or the sum overflows.
+    Inputs are never modified; ``out`` is unspecified after an error.
+    """
+    if op not in _OPS:
+        raise UsageError(f"op must be 'mean' or 'sum', got {op!r}")
+    if backend in ("cuda", "cudasim") or (
+        backend is None and (_is_device(inputs) or (isinstance(inputs, Sequence) and inputs and _is_device(inputs[0])))
+    ):
+        be = choose_backend(0, device=True, backend=backend)
+        return be.mean_reduce_device(inputs, out, op=op, check_finite=check_finite, accumulate_dtype=accumulate_dtype)
+    rows, shape, dtype = _rows(inputs)
+    n = len(rows)
+    if out is None:
+        out = np.empty(shape, dtype=dtype)
+    else:
+        _check_out(out, shape)
+    acc = _acc_dtype(dtype, accumulate_dtype)
+    flat_out = out.reshape(-1)
+    be = choose_backend(flat_out.size, backend=backend)
+    ok = be.reduce_rows(rows, flat_out, acc, n if _OPS[op] else 1, check_finite)
+    if not ok:
+        reference.raise_nonfinite(list(rows), flat_out, "mean_reduce")
+    return out
+
+
+def accumulate(
+    acc: np.ndarray,
+    x: Any,
+    *,
+    scale: float | None = None,
+    divide_by: float | None = None,
+    check_finite: bool = True,
+    backend: str | None = None,
+) -> np.ndarray:
+    """In place ``acc += x``, then ``acc /= divide_by`` and/or ``acc *= scale``, with the finite check.
+
+    This is the step a ring allreduce runs on every received chunk. Raises
+    :class:`NonFiniteError` (contributor 0 = ``acc``, 1 = ``x``) on NaN/Inf.
+    """
+    if _is_device(acc):
+        be = choose_backend(0, device=True, backend=backend)
+        return be.accumulate_device(acc, x, scale=scale, divide_by=divide_by, check_finite=check_finite)
+    acc = _check_out(acc, np.shape(acc), "acc")
+    xa = _host_contig(x, "x")
+    if xa.shape != acc.shape and xa.size != acc.size:
+        raise UsageError(f"x has shape {xa.shape}, acc has shape {acc.shape}")
+    if xa.dtype != acc.dtype:
+        raise UsageError(f"x has dtype {xa.dtype}, acc has dtype {acc.dtype}")
+    if divide_by is not None and divide_by == 0:
+        raise UsageError("divide_by must be non-zero")
+    flat = acc.reshape(-1)
+    be = choose_backend(flat.size, backend=backend)
+    if not be.accumulate(flat, xa.reshape(-1), scale, divide_by, check_finite):
+        # Error path only: find the culprit. NaN/Inf in x survives into acc, so
+        # look at x first; otherwise acc was already non-finite or overflowed.
+        xf = xa.reshape(-1)
+        if not reference.is_all_finite(xf):
+            i = _first_bad(xf)
+            raise NonFiniteError(
+                f"accumulate: non-finite value {float(xf[i])!r} in input 1 at element {i}",
+                contributor=1,
+                index=i,
+                value=float(xf[i]),
+            )
+        i = _first_bad(flat)
+        raise NonFiniteError(
+            f"accumulate: acc holds {float(flat[i])!r} at element {i} (non-finite before the add, or overflow)",
+            contributor=0,
+            index=i,
+            value=float(flat[i]),
+        )
+    return acc
+
+
+def _first_bad(a: np.ndarray) -> int:
+    return int(np.flatnonzero(~np.isfinite(a))[0])
+
+
+def check_finite(buf: Any, *, backend: str | None = None) -> None:
+    """Raise :class:`NonFiniteError` naming the first NaN/Inf element of ``buf``."""
+    if _is_device(buf):
+        be = choose_backend(0, device=True, backend=backend)
+        be.check_finite_device(buf)
+        return
+    a = _host_contig(buf, "buf").reshape(-1)
+    be = choose_backend(a.size, backend=backend)
+    if not be.is_all_finite(a):
+        i = _first_bad(a)
+        raise NonFiniteError(
+            f"check_finite: non-finite value {float(a[i])!r} at element {i}", contributor=0, index=i, value=float(a[i])
+        )
+
+
+def scale(buf: np.ndarray, factor: float, *, backend: str | None = None) -> np.ndarray:
+    """In place ``buf *= factor``; returns ``buf``."""
+    if _is_device(buf):
+        be = choose_backend(0, device=True, backend=backend)
+        be.scale_device(buf, factor)
+        return buf
+    a = _check_out(buf, np.shape(buf), "buf")
+    flat = a.reshape(-1)
+    choose_backend(flat.size, backend=backend).scale(flat, factor)
+    return buf
+
+
+def select_backend(name: str) -> Any:
+    """Load backend ``name`` now and return its module; raises BackendUnavailable with the cause."""
+    return load_backend(name)
+
+
+def warmup(backends: Sequence[str] | None = None) -> list[str]:
+    """Compile the JIT kernels ahead of time; returns the backends warmed."""
+    names = list(backends) if backends is not None else [b for b in available_backends() if b in ("numba", "cython")]
+    for name in names:
+        load_backend(name).warmup()
+    return names

@@ -1,0 +1,171 @@
+"""The transport interface every gradcoll backend implements.
+
+A transport connects ``size`` ranks and moves raw bytes between pairs of
+them. It knows nothing of reductions: algorithms (``gradcoll.algorithms``)
+are written only against this interface.
+
+Contract (checked by ``gradcoll.testing.check_transport``):
+
+* Messages between one ordered pair (src, dst) are delivered in the order
+  they were sent. Each message carries a small header: a per-pair sequence
+  number, the ``tag`` and the byte length. ``recv`` must find exactly the
+  tag and length it expects; anything else raises
+  :class:`~gradcoll.errors.CollectiveMismatch` naming both sides (mixed-up
+  collectives are detected, never silently mixed).
+* Buffers are anything exposing the buffer protocol (NumPy arrays,
+  ``bytearray``, ``memoryview``); ``recv`` writes into the caller's
+  preallocated buffer. Nothing is pickled on the data path.
+* Every blocking call takes ``timeout`` in seconds (``None`` means the
+  transport's ``timeout``). Running out of time raises
+  :class:`~gradcoll.errors.CollectiveTimeout` naming the rank and the peer.
+* A peer that closed its end raises :class:`~gradcoll.errors.TransportClosed`;
+  a peer that died or a link that broke raises
+  :class:`~gradcoll.errors.TransportBroken`. Neither ever hangs.
+* ``isend``/``irecv`` start an operation and return a :class:`Request`;
+  the buffer must not be touched until ``Request.wait`` returns.
+  ``sendrecv`` is full-duplex (a ring sends right while it receives from the
+  left) and never deadlocks when both peers call it at once.
+* ``send`` returns once the buffer may be reused (the bytes may still be in
+  flight). Zero-length messages are legal.
+"""
+
+from __future__ import annotations
+
+import abc
+import time
+from typing import Any
+
+from ..errors import CollectiveTimeout, UsageError
+
+__all__ = ["Transport", "Request", "Deadline", "as_bytes_view", "as_writable_view"]
+
+
+def as_bytes_view(buf: Any) -> memoryview:
+    """A flat, read-only byte view of ``buf`` (no copy)."""
+    mv = memoryview(buf)
+    if not mv.c_contiguous:
+        raise UsageError("transport buffers must be C-contiguous")
+    return mv.cast("B") if (mv.format != "B" or mv.ndim != 1) else mv
+
+
+def as_writable_view(buf: Any) -> memoryview:
+    """A flat, writable byte view of ``buf`` (no copy)."""
+    mv = memoryview(buf)
+    if mv.readonly:
+        raise UsageError("receive buffer is read-only")
+    if not mv.c_contiguous:
+        raise UsageError("transport buffers must be C-contiguous")
+    return mv.cast("B") if (mv.format != "B" or mv.ndim != 1) else mv
+
+
+class Deadline:
+    """A point in time derived from a timeout in seconds; ``remaining()`` never negative."""
+
+    __slots__ = ("at", "timeout")
+
+    def __init__(self, timeout: float | None) -> None:
+        self.timeout = timeout
+        self.at = None if timeout is None else time.monotonic() + timeout
+
+    def remaining(self) -> float | None:
+        """Seconds left, or None for no limit."""
+        if self.at is None:
+            return None
+        return max(0.0, self.at - time.monotonic())
+
+    def expired(self) -> bool:
+        """True once the deadline has passed."""
+        return self.at is not None and time.monotonic() >= self.at
+
+
+class Request(abc.ABC):
+    """Handle of a started ``isend``/``irecv``."""
+
+    @abc.abstractmethod
+    def wait(self, timeout: float | None = None) -> int:
+        """Block until done; returns the number of bytes moved. Raises what the operation raised."""
+
+    @abc.abstractmethod
+    def test(self) -> bool:
+        """True once the operation has finished (successfully or not)."""
+
+
+class Transport(abc.ABC):
+    """Point-to-point byte transport between ``size`` ranks."""
+
+    #: Registered name (``"inproc"``, ``"tcp"``, ``"shm"``, ``"mpi"``).
+    name: str = "abstract"
+
+    def __init__(self, rank: int, size: int, timeout: float = 300.0) -> None:
+        if size < 1:
+            raise UsageError(f"world size must be >= 1, got {size}")
+        if not 0 <= rank < size:
+            raise UsageError(f"rank {rank} out of range for world size {size}")
+        self.rank = rank
+        self.size = size
+        self.timeout = timeout
+        self.closed = False
+
+    # -- helpers for implementations -------------------------------------
+    def _check_peer(self, peer: int) -> None:
+        if not isinstance(peer, int) or not 0 <= peer < self.size or peer == self.rank:
+            raise UsageError(f"rank {self.rank}: invalid peer {peer!r} (world size {self.size})")
+
+    def _timeout(self, timeout: float | None) -> float | None:
+        return self.timeout if timeout is None else timeout
+
+    def _timeout_error(self, op: str, peer: int, timeout: float | None, nbytes: int | None = None) -> CollectiveTimeout:
+        return CollectiveTimeout(
+            f"rank {self.rank}: {op} with peer {peer} timed out after {timeout}s ({self.name} transport)",
+            rank=self.rank,
+            missing=[peer],
+            op=op,
+            nbytes=nbytes,
+        )
+
+    # -- the interface -----------------------------------------------------
+    @abc.abstractmethod
+    def isend(self, peer: int, buf: Any, tag: int = 0) -> Request:
+        """Start sending ``buf`` to ``peer``."""
+
+    @abc.abstractmethod
+    def irecv(self, peer: int, out: Any, tag: int = 0) -> Request:
+        """Start receiving exactly ``len(out)`` bytes with ``tag`` from ``peer`` into ``out``."""
+
+    def send(self, peer: int, buf: Any, tag: int = 0, timeout: float | None = None) -> None:
+        """Blocking send; returns when ``buf`` may be reused."""
+        self.isend(peer, buf, tag).wait(self._timeout(timeout))
+
+    def recv(self, peer: int, out: Any, tag: int = 0, timeout: float | None = None) -> int:
+        """Blocking receive into ``out``; returns the number of bytes received."""
+        return self.irecv(peer, out, tag).wait(self._timeout(timeout))
+
+    def sendrecv(
+        self,
+        dst: int,
+        sendbuf: Any,
+        src: int,
+        recvbuf: Any,
+        tag: int = 0,
+        timeout: float | None = None,
+    ) -> int:
+        """Full-duplex: send ``sendbuf`` to ``dst`` while receiving into ``recvbuf`` from ``src``."""
+        deadline = Deadline(self._timeout(timeout))
+        rreq = self.irecv(src, recvbuf, tag)
+        sreq = self.isend(dst, sendbuf, tag)
+        n = rreq.wait(deadline.remaining())
+        sreq.wait(deadline.remaining())
+        return n
+
+    @abc.abstractmethod
+    def close(self) -> None:
+        """Close every link; idempotent. Peers then see TransportClosed."""
+
+    def __enter__(self) -> "Transport":
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+    def __repr__(self) -> str:
+        return f"<{type(self).__name__} rank={self.rank} size={self.size}{' closed' if self.closed else ''}>"
