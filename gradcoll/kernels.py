@@ -17,12 +17,13 @@ C-contiguous. float16 inputs are accumulated in float32.
 
 from __future__ import annotations
 
-from typing import Any, Sequence
+import functools
+from typing import Any, Callable, Sequence
 
 import numpy as np
 
 from ._kernels import reference
-from ._kernels.select import available_backends, choose_backend, load_backend
+from ._kernels.select import SMALL_ELEMS, available_backends, choose_backend, env_override_set, load_backend
 from .errors import NonFiniteError, UsageError
 
 __all__ = [
@@ -40,8 +41,21 @@ _FLOATS = (np.dtype(np.float16), np.dtype(np.float32), np.dtype(np.float64))
 _OPS = {"mean": True, "sum": False}
 
 
+@functools.lru_cache(maxsize=None)
+def _fast_paths() -> tuple[Callable[..., Any], Callable[..., Any]] | None:
+    """The compiled extension's validated fast paths, or None when it is not built."""
+    try:
+        from ._kernels import _cython_kernels as ck  # type: ignore[attr-defined]
+    except ImportError:
+        return None
+    return ck.reduce_fast, ck.accumulate_fast
+
+
 def _is_device(x: Any) -> bool:
-    return hasattr(x, "__cuda_array_interface__") and not isinstance(x, np.ndarray)
+    # numba's simulator arrays expose __cuda_ndarray__ instead of the interface.
+    return not isinstance(x, np.ndarray) and (
+        hasattr(x, "__cuda_array_interface__") or hasattr(x, "__cuda_ndarray__")
+    )
 
 
 def _host_contig(x: Any, what: str) -> np.ndarray:
@@ -117,9 +131,16 @@ def mean_reduce(
     """
     if op not in _OPS:
         raise UsageError(f"op must be 'mean' or 'sum', got {op!r}")
-    if backend in ("cuda", "cudasim") or (
-        backend is None and (_is_device(inputs) or (isinstance(inputs, Sequence) and inputs and _is_device(inputs[0])))
-    ):
+    if backend is None and accumulate_dtype is None and not env_override_set():
+        # Small plain arrays: validated and reduced in C in one call (~1 us).
+        fast = _fast_paths()
+        if fast is not None:
+            res = fast[0](inputs, out, op == "mean", check_finite, SMALL_ELEMS)
+            if res is not None:
+                if res is not False:
+                    return res
+                # Non-finite: fall through; the full path recomputes and explains.
+    if _is_device(inputs) or (isinstance(inputs, Sequence) and len(inputs) and _is_device(inputs[0])):
         be = choose_backend(0, device=True, backend=backend)
         return be.mean_reduce_device(inputs, out, op=op, check_finite=check_finite, accumulate_dtype=accumulate_dtype)
     rows, shape, dtype = _rows(inputs)
@@ -129,6 +150,8 @@ def mean_reduce(
     else:
         _check_out(out, shape)
     acc = _acc_dtype(dtype, accumulate_dtype)
+    if dtype == np.float16:  # documented: half inputs are widened first (one extra pass)
+        rows = rows.astype(np.float32) if isinstance(rows, np.ndarray) else [r.astype(np.float32) for r in rows]
     flat_out = out.reshape(-1)
     be = choose_backend(flat_out.size, backend=backend)
     ok = be.reduce_rows(rows, flat_out, acc, n if _OPS[op] else 1, check_finite)
@@ -151,6 +174,14 @@ def accumulate(
     This is the step a ring allreduce runs on every received chunk. Raises
     :class:`NonFiniteError` (contributor 0 = ``acc``, 1 = ``x``) on NaN/Inf.
     """
+    if backend is None and not env_override_set():
+        fast = _fast_paths()
+        if fast is not None:
+            res = fast[1](acc, x, scale, divide_by, check_finite, SMALL_ELEMS)
+            if res is True:
+                return acc
+            if res is False:
+                _explain_accumulate(np.asarray(acc).reshape(-1), np.asarray(x).reshape(-1))
     if _is_device(acc):
         be = choose_backend(0, device=True, backend=backend)
         return be.accumulate_device(acc, x, scale=scale, divide_by=divide_by, check_finite=check_finite)
@@ -163,27 +194,33 @@ def accumulate(
     if divide_by is not None and divide_by == 0:
         raise UsageError("divide_by must be non-zero")
     flat = acc.reshape(-1)
-    be = choose_backend(flat.size, backend=backend)
+    be = choose_backend(flat.size, backend="numpy" if acc.dtype == np.float16 else backend)
     if not be.accumulate(flat, xa.reshape(-1), scale, divide_by, check_finite):
-        # Error path only: find the culprit. NaN/Inf in x survives into acc, so
-        # look at x first; otherwise acc was already non-finite or overflowed.
-        xf = xa.reshape(-1)
-        if not reference.is_all_finite(xf):
-            i = _first_bad(xf)
-            raise NonFiniteError(
-                f"accumulate: non-finite value {float(xf[i])!r} in input 1 at element {i}",
-                contributor=1,
-                index=i,
-                value=float(xf[i]),
-            )
-        i = _first_bad(flat)
-        raise NonFiniteError(
-            f"accumulate: acc holds {float(flat[i])!r} at element {i} (non-finite before the add, or overflow)",
-            contributor=0,
-            index=i,
-            value=float(flat[i]),
-        )
+        _explain_accumulate(flat, xa.reshape(-1))
     return acc
+
+
+def _explain_accumulate(acc: np.ndarray, x: np.ndarray) -> None:
+    """Error path of :func:`accumulate`: raise NonFiniteError naming the culprit.
+
+    NaN/Inf in ``x`` survives into ``acc``, so ``x`` is looked at first;
+    otherwise ``acc`` was already non-finite or the sum overflowed.
+    """
+    if not reference.is_all_finite(x):
+        i = _first_bad(x)
+        raise NonFiniteError(
+            f"accumulate: non-finite value {float(x[i])!r} in input 1 at element {i}",
+            contributor=1,
+            index=i,
+            value=float(x[i]),
+        )
+    i = _first_bad(acc)
+    raise NonFiniteError(
+        f"accumulate: acc holds {float(acc[i])!r} at element {i} (non-finite before the add, or overflow)",
+        contributor=0,
+        index=i,
+        value=float(acc[i]),
+    )
 
 
 def _first_bad(a: np.ndarray) -> int:

@@ -192,3 +192,96 @@ def is_all_finite(cnp.ndarray buf):
                 ok = _block_finite[float](<float*>p + lo, k)
             lo += k
     return ok
+
+
+cdef inline bint _same_shape(cnp.ndarray a, cnp.ndarray b):
+    cdef int k, nd = cnp.PyArray_NDIM(a)
+    cdef cnp.npy_intp* da
+    cdef cnp.npy_intp* db
+    if nd != cnp.PyArray_NDIM(b):
+        return False
+    da = cnp.PyArray_DIMS(a)
+    db = cnp.PyArray_DIMS(b)
+    for k in range(nd):
+        if da[k] != db[k]:
+            return False
+    return True
+
+
+cdef inline bint _plain_float_array(object o, int typenum, Py_ssize_t size):
+    """True when ``o`` is an exact, aligned, C-contiguous ndarray of ``typenum`` with ``size`` elements."""
+    cdef cnp.ndarray a
+    if not cnp.PyArray_CheckExact(o):
+        return False
+    a = <cnp.ndarray>o
+    return (cnp.PyArray_TYPE(a) == typenum and cnp.PyArray_ISCARRAY_RO(a)
+            and cnp.PyArray_SIZE(a) == size)
+
+
+def reduce_fast(object inputs, object out, bint mean, bint check, Py_ssize_t limit):
+    """Fast path of ``mean_reduce`` for the common small case, validated in C.
+
+    Applies to a list or tuple of plain C-contiguous float32/float64 arrays of
+    one shape (and an ``out`` of that shape and dtype, or None) with at most
+    ``limit`` elements. Returns the output array when every value is finite,
+    False when the finite check failed (``out`` filled), or None when the fast
+    path does not apply (the caller then validates and explains).
+    """
+    cdef Py_ssize_t n, m, j
+    cdef cnp.ndarray first, r, o
+    cdef void* stack[STACK_PTRS]
+    cdef int typenum
+    cdef bint ok
+    if type(inputs) is not list and type(inputs) is not tuple:
+        return None
+    n = len(inputs)
+    if n == 0 or n > STACK_PTRS:
+        return None
+    if not cnp.PyArray_CheckExact(inputs[0]):
+        return None
+    first = <cnp.ndarray>inputs[0]
+    typenum = cnp.PyArray_TYPE(first)
+    if typenum != cnp.NPY_FLOAT and typenum != cnp.NPY_DOUBLE:
+        return None
+    m = cnp.PyArray_SIZE(first)
+    if m > limit or not cnp.PyArray_ISCARRAY_RO(first):
+        return None
+    for j in range(n):
+        if not _plain_float_array(inputs[j], typenum, m):
+            return None
+        r = <cnp.ndarray>inputs[j]
+        if not _same_shape(r, first):
+            return None
+        stack[j] = cnp.PyArray_DATA(r)
+    if out is None:
+        o = cnp.PyArray_EMPTY(cnp.PyArray_NDIM(first), cnp.PyArray_DIMS(first), typenum, 0)
+    else:
+        if not _plain_float_array(out, typenum, m) or not cnp.PyArray_ISWRITEABLE(<cnp.ndarray>out):
+            return None
+        o = <cnp.ndarray>out
+        if not _same_shape(o, first):
+            return None
+    ok = _run_reduce(stack, n, m, o, typenum == cnp.NPY_DOUBLE, <double>n if mean else 1.0, check)
+    return o if ok else False
+
+
+def accumulate_fast(object acc, object x, object scale, object divisor, bint check, Py_ssize_t limit):
+    """Fast path of ``accumulate`` (same-dtype plain arrays up to ``limit`` elements).
+
+    Returns True/False (finite or not) or None when it does not apply.
+    """
+    cdef cnp.ndarray a
+    cdef int typenum
+    cdef Py_ssize_t m
+    if not cnp.PyArray_CheckExact(acc):
+        return None
+    a = <cnp.ndarray>acc
+    typenum = cnp.PyArray_TYPE(a)
+    m = cnp.PyArray_SIZE(a)
+    if (typenum != cnp.NPY_FLOAT and typenum != cnp.NPY_DOUBLE) or m > limit:
+        return None
+    if not cnp.PyArray_ISCARRAY(a) or not _plain_float_array(x, typenum, m):
+        return None
+    if divisor is not None and divisor == 0:
+        return None
+    return accumulate(a, <cnp.ndarray>x, scale, divisor, check)

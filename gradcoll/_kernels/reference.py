@@ -22,6 +22,11 @@ def reduce_rows(
     rows: Sequence[np.ndarray], out: np.ndarray, acc_dtype: np.dtype, divisor: float, check: bool
 ) -> bool:
     """Sum ``rows`` in order into ``out`` (divided by ``divisor``); return True if all finite."""
+    with np.errstate(over="ignore", invalid="ignore"):  # reported through the finite check
+        return _reduce_rows(rows, out, acc_dtype, divisor, check)
+
+
+def _reduce_rows(rows: Sequence[np.ndarray], out: np.ndarray, acc_dtype: np.dtype, divisor: float, check: bool) -> bool:
     acc = np.array(rows[0], dtype=acc_dtype, copy=True)
     for r in rows[1:]:
         if r.dtype == acc_dtype:
@@ -38,6 +43,11 @@ def reduce_rows(
 
 def accumulate(acc: np.ndarray, x: np.ndarray, scale: float | None, divisor: float | None, check: bool) -> bool:
     """``acc += x`` then optional ``*= scale`` or ``/= divisor``; return True if all finite."""
+    with np.errstate(over="ignore", invalid="ignore"):
+        return _accumulate(acc, x, scale, divisor, check)
+
+
+def _accumulate(acc: np.ndarray, x: np.ndarray, scale: float | None, divisor: float | None, check: bool) -> bool:
     np.add(acc, x, out=acc, casting="unsafe")
     if divisor is not None and divisor != 1:
         np.divide(acc, acc.dtype.type(divisor), out=acc)

@@ -20,7 +20,15 @@ from types import ModuleType
 
 from ..errors import BackendUnavailable, UsageError
 
-__all__ = ["BACKENDS", "load_backend", "available_backends", "choose_backend", "SMALL_ELEMS"]
+__all__ = [
+    "BACKENDS",
+    "load_backend",
+    "available_backends",
+    "choose_backend",
+    "env_override",
+    "env_override_set",
+    "SMALL_ELEMS",
+]
 
 #: Every backend gradcoll knows, in order of preference for host arrays.
 BACKENDS = ("cython", "numba", "numpy", "cuda", "cudasim")
@@ -62,6 +70,18 @@ def load_backend(name: str) -> ModuleType:
 def available_backends() -> list[str]:
     """Names of the backends that load on this machine, best first for host arrays."""
     return [b for b in BACKENDS if not isinstance(_load(b), BaseException)]
+
+
+def env_override_set() -> bool:
+    """Cheap test for a non-empty GRADCOLL_KERNELS (on the per-call hot path).
+
+    ``os.environ.get`` encodes the key on every call (~0.5 us); the encoded
+    mapping behind ``os.environ`` is kept in sync by it, so look there.
+    """
+    data = getattr(os.environ, "_data", None)
+    if isinstance(data, dict) and os.name != "nt":
+        return bool(data.get(b"GRADCOLL_KERNELS"))
+    return bool(os.environ.get("GRADCOLL_KERNELS"))
 
 
 def env_override() -> str | None:
