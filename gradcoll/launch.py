@@ -1,0 +1,183 @@
+"""``gradcoll launch``: start N local ranks of a script, like torchrun on one host.
+
+Each child gets RANK, WORLD_SIZE, LOCAL_RANK, LOCAL_WORLD_SIZE, MASTER_ADDR,
+MASTER_PORT and GRADCOLL_BACKEND, so ``gradcoll.init_process_group()`` with
+``init_method="env://"`` finds its peers. Every line a child prints is
+prefixed with ``[rank]``. When one child fails, the others are stopped
+(SIGTERM, then SIGKILL after a grace period) and the launcher exits non-zero,
+naming the rank and its exit code.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import signal
+import socket
+import subprocess
+import sys
+import threading
+import time
+from dataclasses import dataclass
+from typing import IO, Sequence
+
+__all__ = ["launch", "free_port", "LaunchResult", "main"]
+
+
+def free_port(host: str = "127.0.0.1") -> int:
+    """An unused TCP port on ``host`` (the OS picks it)."""
+    with socket.socket() as s:
+        s.bind((host, 0))
+        return int(s.getsockname()[1])
+
+
+@dataclass(frozen=True)
+class LaunchResult:
+    """How a launch ended: the first failing rank (or None) and every exit code."""
+
+    failed_rank: int | None
+    returncodes: tuple[int | None, ...]
+
+    @property
+    def ok(self) -> bool:
+        """True when every rank exited 0."""
+        return self.failed_rank is None and all(rc == 0 for rc in self.returncodes)
+
+
+def _pump(stream: IO[bytes], rank: int, out: IO[str], lock: threading.Lock, prefix: bool) -> None:
+    for raw in iter(stream.readline, b""):
+        line = raw.decode(errors="replace")
+        with lock:
+            out.write(f"[{rank}] {line}" if prefix else line)
+            if not line.endswith("\n"):
+                out.write("\n")
+            out.flush()
+    stream.close()
+
+
+def launch(
+    cmd: Sequence[str],
+    nprocs: int,
+    *,
+    backend: str = "tcp",
+    master_addr: str = "127.0.0.1",
+    master_port: int | None = None,
+    env: dict[str, str] | None = None,
+    timeout: float | None = None,
+    grace: float = 5.0,
+    prefix: bool = True,
+    out: IO[str] | None = None,
+) -> LaunchResult:
+    """Run ``cmd`` as ``nprocs`` ranks; stop all when one fails; return how it ended."""
+    if nprocs < 1:
+        raise ValueError(f"nprocs must be >= 1, got {nprocs}")
+    out = out or sys.stdout
+    port = master_port or free_port(master_addr)
+    lock = threading.Lock()
+    procs: list[subprocess.Popen[bytes]] = []
+    pumps: list[threading.Thread] = []
+    base = {**os.environ, **(env or {})}
+    base.setdefault("PYTHONUNBUFFERED", "1")
+    for r in range(nprocs):
+        child_env = {
+            **base,
+            "RANK": str(r),
+            "WORLD_SIZE": str(nprocs),
+            "LOCAL_RANK": str(r),
+            "LOCAL_WORLD_SIZE": str(nprocs),
+            "MASTER_ADDR": master_addr,
+            "MASTER_PORT": str(port),
+            "GRADCOLL_BACKEND": backend,
+        }
+        p = subprocess.Popen(list(cmd), env=child_env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT)
+        procs.append(p)
+        t = threading.Thread(target=_pump, args=(p.stdout, r, out, lock, prefix), daemon=True)
+        t.start()
+        pumps.append(t)
+    deadline = None if timeout is None else time.monotonic() + timeout
+    failed: int | None = None
+    try:
+        while True:
+            codes = [p.poll() for p in procs]
+            bad = [r for r, c in enumerate(codes) if c not in (None, 0)]
+            if bad:
+                failed = bad[0]
+                break
+            if all(c == 0 for c in codes):
+                break
+            if deadline is not None and time.monotonic() > deadline:
+                failed = next(r for r, c in enumerate(codes) if c is None)
+                with lock:
+                    out.write(f"gradcoll launch: timed out after {timeout}s; rank {failed} still running\n")
+                break
+            # Wait on the first live child; a short cap keeps the loop reactive to others.
+            live = next(p for p in procs if p.poll() is None)
+            try:
+                live.wait(timeout=0.05)
+            except subprocess.TimeoutExpired:
+                pass
+    except KeyboardInterrupt:
+        failed = -1
+    finally:
+        _stop_all(procs, grace)
+        for t in pumps:
+            t.join(timeout=grace)
+    return LaunchResult(failed, tuple(p.returncode for p in procs))
+
+
+def _stop_all(procs: list[subprocess.Popen[bytes]], grace: float) -> None:
+    live = [p for p in procs if p.poll() is None]
+    for p in live:
+        p.send_signal(signal.SIGTERM)
+    end = time.monotonic() + grace
+    for p in live:
+        try:
+            p.wait(timeout=max(0.0, end - time.monotonic()))
+        except subprocess.TimeoutExpired:
+            p.kill()
+            p.wait(timeout=grace)
+
+
+def build_parser(sub: argparse._SubParsersAction | None = None) -> argparse.ArgumentParser:
+    """The ``launch`` argument parser (standalone or as a subcommand)."""
+    kw = dict(description="Start N local ranks of a Python script with the rendezvous variables set.")
+    p = sub.add_parser("launch", **kw) if sub is not None else argparse.ArgumentParser(prog="gradcoll launch", **kw)
+    p.add_argument("-n", "--nprocs", type=int, required=True, help="number of ranks")
+    p.add_argument("--backend", default="tcp", choices=["tcp", "shm", "inproc", "mpi"], help="GRADCOLL_BACKEND for the ranks")
+    p.add_argument("--master-addr", default="127.0.0.1")
+    p.add_argument("--master-port", type=int, default=None)
+    p.add_argument("--timeout", type=float, default=None, help="stop everything after this many seconds")
+    p.add_argument("--no-prefix", action="store_true", help="do not prefix output lines with the rank")
+    p.add_argument("script", help="the Python script to run")
+    p.add_argument("args", nargs=argparse.REMAINDER, help="arguments for the script")
+    return p
+
+
+def run_from_args(a: argparse.Namespace) -> int:
+    """Execute a parsed ``launch`` command; returns the exit status."""
+    res = launch(
+        [sys.executable, a.script, *a.args],
+        a.nprocs,
+        backend=a.backend,
+        master_addr=a.master_addr,
+        master_port=a.master_port,
+        timeout=a.timeout,
+        prefix=not a.no_prefix,
+    )
+    if res.ok:
+        return 0
+    if res.failed_rank == -1:
+        print("gradcoll launch: interrupted", file=sys.stderr)
+        return 130
+    rc = res.returncodes[res.failed_rank] if res.failed_rank is not None else None
+    print(f"gradcoll launch: rank {res.failed_rank} failed with exit code {rc}; stopped the other ranks", file=sys.stderr)
+    return 1
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    """Entry point of ``python -m gradcoll.launch``."""
+    return run_from_args(build_parser().parse_args(argv))
+
+
+if __name__ == "__main__":
+    sys.exit(main())
