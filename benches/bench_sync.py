@@ -27,6 +27,7 @@ from gradcoll.sync import (
     GradientSyncRequest,
     GradientSyncService,
     ServerThread,
+    aggregate_gradients,
     load_gradient_from_arrow,
     store_gradient_as_arrow,
 )
@@ -73,8 +74,17 @@ def bench_inproc(n: int, peers: int) -> float:
         return time.perf_counter() - t0
 
 
+def _warm_up(n: int) -> None:
+    # Load the kernel backends (Numba's cache, Cython) and pyarrow before any
+    # clock starts: a first call pays about half a second for that.
+    g = _gradient(n, 0)
+    aggregate_gradients({"a": g, "b": g})
+    load_gradient_from_arrow(store_gradient_as_arrow(g[:10]))
+
+
 def _grpc_peer(address: str, n: int, index: int, peers: int, barrier, conn) -> None:
     payload = store_gradient_as_arrow(_gradient(n, index))
+    _warm_up(n)
 
     async def run() -> float:
         async with GradientSyncClient(address, connect_timeout=30) as client:
@@ -95,7 +105,10 @@ def _grpc_peer(address: str, n: int, index: int, peers: int, barrier, conn) -> N
 def bench_grpc(n: int, peers: int) -> float:
     """Seconds for the slowest of ``peers`` processes to sync ``n`` elements over gRPC."""
     ctx = multiprocessing.get_context("spawn")
-    with tempfile.TemporaryDirectory() as root, ServerThread(GradientSyncService(FileBlockStore(root, durable=False))) as srv:
+    with (
+        tempfile.TemporaryDirectory() as root,
+        ServerThread(GradientSyncService(FileBlockStore(root, durable=False))) as srv,
+    ):
         barrier = ctx.Barrier(peers)
         conns, procs = [], []
         for i in range(peers):
@@ -140,6 +153,8 @@ def main(argv: list[str] | None = None) -> None:
             f" {c['decode_s'] * 1e3:>10.1f} {gb / c['decode_s']:>9.2f}"
         )
     print()
+    _warm_up(max(args.elements))
+    bench_inproc(1000, 2)
     transports = ["inproc", "grpc"] if args.transport == "both" else [args.transport]
     print(f"{'transport':>9} {'elements':>10} {'peers':>5} {'sync s (median)':>16} {'GB/s out':>9}")
     for transport in transports:
