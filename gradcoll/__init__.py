@@ -17,6 +17,21 @@ from .errors import (
     UsageError,
 )
 
+from .optimizer import (
+    AggregatedGradient,
+    AggregationStrategy,
+    DimensionMismatch,
+    DistOptimizerStats,
+    DistributedOptimizer,
+    GradientUpdate,
+    NonFiniteUpdate,
+    OptimizerError,
+    StaleUpdate,
+    WorkerId,
+    WorkerNotFound,
+    WorkerState,
+)
+
 __version__ = "0.1.0"
 
 __all__ = [
@@ -32,5 +47,17 @@ __all__ = [
     "CollectiveMismatch",
     "GroupPoisoned",
     "BackendUnavailable",
+    "DistributedOptimizer",
+    "AggregationStrategy",
+    "GradientUpdate",
+    "AggregatedGradient",
+    "WorkerId",
+    "WorkerState",
+    "DistOptimizerStats",
+    "OptimizerError",
+    "WorkerNotFound",
+    "StaleUpdate",
+    "DimensionMismatch",
+    "NonFiniteUpdate",
     "__version__",
 ]
