@@ -32,6 +32,9 @@ from .optimizer import (
     WorkerState,
 )
 
+from .group import ProcessGroup, Work
+from .rendezvous import init_process_group
+
 __version__ = "0.1.0"
 
 __all__ = [
@@ -47,6 +50,9 @@ __all__ = [
     "CollectiveMismatch",
     "GroupPoisoned",
     "BackendUnavailable",
+    "init_process_group",
+    "ProcessGroup",
+    "Work",
     "DistributedOptimizer",
     "AggregationStrategy",
     "GradientUpdate",

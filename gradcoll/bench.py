@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import argparse
 import io
+import os
 import json
 import sys
 import time
@@ -57,7 +58,7 @@ def worker_main(argv: Sequence[str] | None = None) -> int:
     ap.add_argument("--iters", type=int, default=20)
     ap.add_argument("--warmup", type=int, default=3)
     a = ap.parse_args(argv)
-    group = gradcoll.init_process_group(init_method="env://", timeout=120.0)
+    group = gradcoll.init_process_group(os.environ.get("GRADCOLL_BACKEND", "tcp"), "env://", timeout=120.0)
     rank, world = group.rank, group.size
     transport = getattr(getattr(group, "transport", None), "name", "?")
     for nbytes in sizes_between(parse_size(a.sizes[0]), parse_size(a.sizes[1])):

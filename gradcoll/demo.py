@@ -11,6 +11,7 @@ the time spent in allreduce and the bytes moved.
 from __future__ import annotations
 
 import argparse
+import os
 import sys
 import time
 from dataclasses import dataclass
@@ -114,7 +115,7 @@ def worker_main(argv: Sequence[str] | None = None) -> int:
     ap.add_argument("--samples", type=int, default=16384)
     a = ap.parse_args(argv)
 
-    group = gradcoll.init_process_group(init_method="env://", timeout=60.0)
+    group = gradcoll.init_process_group(os.environ.get("GRADCOLL_BACKEND", "tcp"), "env://", timeout=60.0)
     rank, world = group.rank, group.size
     if a.global_batch % world:
         raise SystemExit(f"--global-batch {a.global_batch} must be divisible by the world size {world}")
@@ -150,7 +151,7 @@ def worker_main(argv: Sequence[str] | None = None) -> int:
         payload = (grad.nbytes + losses.nbytes) * a.steps
         ring_bytes = payload * 2 * (world - 1) / world if world > 1 else 0
         print("summary:")
-        print(f"  ranks                 {world} ({group.backend if hasattr(group, 'backend') else ''})")
+        print(f"  ranks                 {world} over {getattr(getattr(group, 'transport', None), 'name', '?')}")
         print(f"  steps                 {a.steps} x global batch {a.global_batch}")
         print(f"  final loss            {losses[0]:.4f}")
         print(f"  max |w - w_single|    {diff:.3e} (weights up to {scale:.2f}; float32 eps {np.finfo(np.float32).eps:.1e})")

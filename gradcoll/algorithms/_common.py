@@ -1,0 +1,211 @@
+"""Shared pieces of the collective algorithms: chunk arithmetic, tags, error wording.
+
+Nothing here moves data by itself. :class:`Coll` is the state of one running
+collective (which rank, which operation, which sequence number, which step)
+and turns every transport error into a message that names all of it, in the
+house style ``rank 3: peer 4 closed the link during ring allreduce step 2/6
+(seq 118)``.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import numpy as np
+
+from ..errors import CollectiveMismatch, CollectiveTimeout, TransportBroken, TransportClosed, UsageError
+from ..transport.base import Deadline, Request, Transport
+
+__all__ = [
+    "OPS",
+    "REDUCE_DTYPES",
+    "chunk_bounds",
+    "segment_bounds",
+    "data_tag",
+    "as_flat",
+    "check_op",
+    "scratch",
+    "Coll",
+    "Workspace",
+]
+
+#: Reduction ops every allreduce-like algorithm accepts.
+OPS = ("mean", "sum", "max", "min")
+
+#: Element types the reduction kernels take.
+REDUCE_DTYPES = (np.dtype(np.float16), np.dtype(np.float32), np.dtype(np.float64))
+
+# Data tags: (seq mod 2**20) << 8 | phase, always below the handshake tags
+# (0x7F00xxxx, see _handshake.py) and below every transport's MAX_TAG.
+_SEQ_MASK = (1 << 20) - 1
+
+
+def data_tag(seq: int, phase: int) -> int:
+    """The transport tag of one phase (1..255) of collective ``seq``."""
+    return ((seq & _SEQ_MASK) << 8) | phase
+
+
+def chunk_bounds(count: int, n: int) -> list[int]:
+    """Offsets of ``n`` near-equal chunks of ``count`` elements (``n + 1`` entries)."""
+    # Chunk i covers [bounds[i], bounds[i+1]). With q, r = divmod(count, n)
+    # every chunk gets q elements and the first r chunks one more, so sizes
+    # differ by at most one and the split needs no padding: chunk i starts at
+    # i*q (the q-element part of every earlier chunk) plus min(i, r) (one
+    # extra element for each earlier chunk that was among the first r). Every
+    # rank computes the same table from the count alone, which the handshake
+    # has already agreed on, so no chunk size ever travels on the wire. When
+    # count < n the last n - count chunks are empty; they still take part in
+    # the ring as zero-length messages, which keeps the schedule identical for
+    # every count.
+    q, r = divmod(count, n)
+    return [i * q + min(i, r) for i in range(n + 1)]
+
+
+def segment_bounds(lo: int, hi: int, seg: int) -> list[tuple[int, int]]:
+    """Split ``[lo, hi)`` into pieces of at most ``seg`` elements (one empty piece if lo == hi)."""
+    if hi <= lo:
+        return [(lo, lo)]
+    return [(a, min(a + seg, hi)) for a in range(lo, hi, seg)]
+
+
+def as_flat(buf: Any, *, reduce: bool, what: str = "buf") -> np.ndarray:
+    """Return ``buf`` as a 1-D C-contiguous writeable view, or raise UsageError."""
+    if not isinstance(buf, np.ndarray):
+        raise UsageError(f"{what} must be a numpy array, got {type(buf).__name__}")
+    if not buf.flags.c_contiguous or not buf.flags.writeable:
+        raise UsageError(f"{what} must be a writeable C-contiguous array")
+    if reduce and buf.dtype not in REDUCE_DTYPES:
+        raise UsageError(f"{what} has dtype {buf.dtype}; reductions take float16, float32 or float64")
+    return buf.reshape(-1)
+
+
+def check_op(op: str) -> str:
+    """Return ``op`` if it is a known reduction op, else raise UsageError."""
+    if op not in OPS:
+        raise UsageError(f"op must be one of {', '.join(OPS)}; got {op!r}")
+    return op
+
+
+class Workspace:
+    """Scratch buffers reused across collectives (so the hot loop allocates nothing).
+
+    One per process group; not thread-safe (a group runs one collective at a time).
+    """
+
+    def __init__(self) -> None:
+        self._bufs: dict[tuple[str, np.dtype], np.ndarray] = {}
+
+    def get(self, name: str, shape: int | tuple[int, ...], dtype: Any) -> np.ndarray:
+        """An uninitialised array of ``shape``, backed by a buffer kept under ``name``."""
+        dt = np.dtype(dtype)
+        shape = (shape,) if isinstance(shape, int) else tuple(shape)
+        need = int(np.prod(shape, dtype=np.int64))
+        buf = self._bufs.get((name, dt))
+        if buf is None or buf.size < need:
+            buf = np.empty(max(need, 1), dt)
+            self._bufs[(name, dt)] = buf
+        return buf[:need].reshape(shape)
+
+
+def scratch(ws: Workspace | None, name: str, shape: int | tuple[int, ...], dtype: Any) -> np.ndarray:
+    """``ws.get(...)``, or a fresh array without a workspace."""
+    return np.empty(shape, dtype) if ws is None else ws.get(name, shape, dtype)
+
+
+class Coll:
+    """One running collective on one rank: identity, progress, and error wording."""
+
+    __slots__ = ("t", "rank", "size", "name", "seq", "nbytes", "timeout", "deadline", "step", "steps")
+
+    def __init__(self, transport: Transport, name: str, seq: int, nbytes: int, timeout: float | None) -> None:
+        self.t = transport
+        self.rank = transport.rank
+        self.size = transport.size
+        self.name = name
+        self.seq = seq
+        self.nbytes = nbytes
+        self.timeout = transport.timeout if timeout is None else timeout
+        self.deadline = Deadline(self.timeout)
+        self.step = 0
+        self.steps = 0
+
+    def begin(self, steps: int) -> None:
+        """Start the data phase: ``steps`` steps, with a fresh deadline."""
+        self.steps = steps
+        self.step = 0
+        self.deadline = Deadline(self.timeout)
+
+    def where(self) -> str:
+        """``ring allreduce step 2/6 (seq 118)`` (or without the step outside a data phase)."""
+        if self.steps:
+            return f"{self.name} step {self.step}/{self.steps} (seq {self.seq})"
+        return f"{self.name} (seq {self.seq})"
+
+    def timeout_error(self, missing: list[int], detail: str) -> CollectiveTimeout:
+        """A CollectiveTimeout naming the missing peers, op, seq and buffer size."""
+        return CollectiveTimeout(
+            f"rank {self.rank}: {self.where()} timed out after {self.timeout}s on a buffer of "
+            f"{self.nbytes} bytes: {detail}",
+            rank=self.rank,
+            missing=missing,
+            op=self.name,
+            seq=self.seq,
+            nbytes=self.nbytes,
+        )
+
+    def translate(self, exc: BaseException, peer: int) -> BaseException:
+        """The exception to raise for transport error ``exc`` on the link to ``peer``."""
+        if isinstance(exc, CollectiveTimeout):
+            return self.timeout_error([peer], f"peer {peer} did not arrive")
+        if isinstance(exc, TransportClosed):
+            if self.t.closed:
+                msg = f"rank {self.rank}: this rank's transport was closed during {self.where()}"
+            else:
+                msg = f"rank {self.rank}: peer {peer} closed the link during {self.where()}"
+            return TransportClosed(msg, rank=self.rank, peer=peer)
+        if isinstance(exc, TransportBroken):
+            return TransportBroken(
+                f"rank {self.rank}: the link to peer {peer} broke during {self.where()}: {exc}",
+                rank=self.rank,
+                peer=peer,
+            )
+        if isinstance(exc, CollectiveMismatch):
+            return CollectiveMismatch(f"rank {self.rank}: during {self.where()}: {exc}")
+        return exc
+
+    # -- transport calls with translated errors ----------------------------
+    def isend(self, peer: int, buf: Any, tag: int) -> Request:
+        """Start a send to ``peer``."""
+        try:
+            return self.t.isend(peer, buf, tag)
+        except (CollectiveTimeout, TransportClosed, TransportBroken, CollectiveMismatch) as exc:
+            raise self.translate(exc, peer) from exc
+
+    def irecv(self, peer: int, out: Any, tag: int) -> Request:
+        """Start a receive from ``peer``."""
+        try:
+            return self.t.irecv(peer, out, tag)
+        except (CollectiveTimeout, TransportClosed, TransportBroken, CollectiveMismatch) as exc:
+            raise self.translate(exc, peer) from exc
+
+    def wait(self, req: Request, peer: int) -> int:
+        """Wait for ``req`` until the deadline of the current phase."""
+        try:
+            return req.wait(self.deadline.remaining())
+        except (CollectiveTimeout, TransportClosed, TransportBroken, CollectiveMismatch) as exc:
+            raise self.translate(exc, peer) from exc
+
+    def send(self, peer: int, buf: Any, tag: int) -> None:
+        """Blocking send to ``peer``."""
+        self.wait(self.isend(peer, buf, tag), peer)
+
+    def recv(self, peer: int, out: Any, tag: int) -> int:
+        """Blocking receive from ``peer``."""
+        return self.wait(self.irecv(peer, out, tag), peer)
+
+    def sendrecv(self, peer: int, sendbuf: Any, recvbuf: Any, tag: int) -> None:
+        """Exchange with ``peer`` (both directions in flight at once)."""
+        rreq = self.irecv(peer, recvbuf, tag)
+        sreq = self.isend(peer, sendbuf, tag)
+        self.wait(rreq, peer)
+        self.wait(sreq, peer)

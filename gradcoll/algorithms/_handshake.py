@@ -1,0 +1,272 @@
+"""The per-collective handshake: who is here, what they called, whether their inputs are finite.
+
+Before any data moves, every rank sends rank 0 a fixed-size *record*: the
+collective's descriptor (kind, algorithm, op, dtype, element count, root,
+sequence number) and the status of its local input (finite, or the first
+NaN/Inf: index and value). Rank 0 waits for all records until the deadline
+and sends every rank the whole *table* (one slot per rank plus one result
+slot). Every rank then runs the same pure function, :func:`verdict`, over the
+same table, so every rank reaches the same decision and raises the same
+error, naming the same ranks:
+
+* a slot rank 0 never received: :class:`CollectiveTimeout` naming exactly the
+  ranks that did not arrive (rank 0 saw who was missing);
+* a peer whose link closed or broke: :class:`TransportClosed` /
+  :class:`TransportBroken` naming it;
+* a descriptor that differs from rank 0's: :class:`CollectiveMismatch`
+  naming both ranks and both descriptors;
+* a non-finite input: :class:`NonFiniteError` naming the lowest such rank,
+  its element index and value (Jidoka: every rank halts, none returns).
+
+Records and tables have a fixed length for a given world size, whatever the
+ranks called, so a mismatch can never make a message the wrong size; that is
+why this is a separate tiny round rather than a header glued to the data.
+It also makes a correct barrier (nobody leaves before rank 0 heard from all).
+Cost: one record up and one table down per rank, ``64 (n + 1)`` bytes.
+A rank waiting for the table allows a grace period past the timeout, so that
+rank 0's verdict about *other* missing ranks arrives before it gives up on
+rank 0 itself.
+"""
+
+from __future__ import annotations
+
+import struct
+from typing import NamedTuple
+
+import numpy as np
+
+from .. import kernels
+from ..errors import (
+    CollectiveMismatch,
+    CollectiveTimeout,
+    NonFiniteError,
+    ProtocolError,
+    TransportBroken,
+    TransportClosed,
+)
+from ._common import Coll
+
+__all__ = ["Record", "ROOT", "make_record", "local_status", "handshake", "send_record", "gather_records",
+           "send_table", "recv_table", "verdict", "raise_nonfinite", "OK", "NONFINITE", "TIMEOUT", "CLOSED", "BROKEN", "PROTOCOL"]
+
+ROOT = 0
+TAG_UP = 0x7F000001
+TAG_DOWN = 0x7F000002
+
+KINDS = ("?", "allreduce", "broadcast", "allgather", "reduce_scatter", "barrier")
+ALGOS = ("-", "ring", "star", "recursive_doubling", "tree")
+OP_CODES = ("-", "mean", "sum", "max", "min")
+
+OK, NONFINITE, TIMEOUT, CLOSED, BROKEN, PROTOCOL = range(6)
+
+# present, kind, algo, op, dtype char, itemsize, root, count, seq, status, peer, index, value
+_REC = struct.Struct("<BBBBBxHiqqB7xqqd")
+RECORD_SIZE = _REC.size
+
+
+class Record(NamedTuple):
+    """One slot of the handshake table."""
+
+    kind: int
+    algo: int
+    op: int
+    dtype: int
+    itemsize: int
+    root: int
+    count: int
+    seq: int
+    status: int = OK
+    peer: int = -1
+    index: int = -1
+    value: float = 0.0
+    present: int = 1
+
+    def desc(self) -> tuple[int, ...]:
+        """The fields every rank must agree on."""
+        return self[:8]
+
+    def describe(self) -> str:
+        """``allreduce(op=mean, float32, count=10, algorithm=ring, seq 5)``."""
+        parts = []
+        if self.op:
+            parts.append(f"op={OP_CODES[self.op]}")
+        parts.append(f"{np.dtype(chr(self.dtype)).name}" if self.dtype else "no dtype")
+        parts.append(f"count={self.count}")
+        if self.algo:
+            parts.append(f"algorithm={ALGOS[self.algo]}")
+        if self.root >= 0:
+            parts.append(f"root={self.root}")
+        return f"{KINDS[self.kind]}({', '.join(parts)}) at seq {self.seq}"
+
+
+def make_record(kind: str, algo: str, op: str | None, dtype: np.dtype | None, count: int, seq: int,
+                root: int = -1, status: tuple[int, int, float] | None = None) -> Record:
+    """This rank's record; ``status`` is ``(NONFINITE, index, value)`` from :func:`local_status`."""
+    code, index, value = status or (OK, -1, 0.0)
+    return Record(KINDS.index(kind), ALGOS.index(algo), OP_CODES.index(op or "-"),
+                  ord(dtype.char) if dtype is not None else 0, dtype.itemsize if dtype is not None else 0,
+                  root, count, seq, code, -1, index, value)
+
+
+def local_status(flat: np.ndarray, check: bool, backend: str | None = None) -> tuple[int, int, float] | None:
+    """``None`` if ``flat`` is finite (or unchecked), else ``(NONFINITE, index, value)``."""
+    if not check or flat.size == 0:
+        return None
+    try:
+        kernels.check_finite(flat, backend=backend)
+    except NonFiniteError as exc:
+        return NONFINITE, int(exc.index or 0), float(exc.value if exc.value is not None else np.nan)
+    return None
+
+
+def _pack(recs: list[Record]) -> bytearray:
+    out = bytearray(RECORD_SIZE * len(recs))
+    for i, r in enumerate(recs):
+        _REC.pack_into(out, i * RECORD_SIZE, r.present, r.kind, r.algo, r.op, r.dtype, r.itemsize, r.root,
+                       r.count, r.seq, r.status, r.peer, r.index, r.value)
+    return out
+
+
+def _unpack(buf: bytes | bytearray, n: int) -> list[Record]:
+    recs = []
+    for i in range(n):
+        present, *fields = _REC.unpack_from(buf, i * RECORD_SIZE)
+        if present > 1 or not 0 <= fields[0] < len(KINDS) or not 0 <= fields[1] < len(ALGOS):
+            raise ProtocolError(f"malformed handshake record {i}")
+        recs.append(Record(*fields, present=present))
+    return recs
+
+
+def _absent(status: int) -> Record:
+    return Record(0, 0, 0, 0, 0, -1, 0, 0, status=status, present=0)
+
+
+def send_record(coll: Coll, rec: Record) -> None:
+    """Non-root: send this rank's record to rank 0."""
+    coll.wait(coll.isend(ROOT, _pack([rec]), TAG_UP), ROOT)
+
+
+def gather_records(coll: Coll, own: Record) -> list[Record]:
+    """Rank 0: collect every record until the deadline; returns the table (n slots + result slot)."""
+    n = coll.size
+    table = [own] + [_absent(TIMEOUT)] * (n - 1) + [Record(0, 0, 0, 0, 0, -1, 0, 0)]
+    bufs = {p: bytearray(RECORD_SIZE) for p in range(1, n)}
+    reqs = {}
+    for p in range(1, n):
+        try:
+            reqs[p] = coll.t.irecv(p, bufs[p], TAG_UP)
+        except TransportClosed:
+            table[p] = _absent(CLOSED)
+        except TransportBroken:
+            table[p] = _absent(BROKEN)
+    for p, req in reqs.items():
+        try:
+            req.wait(coll.deadline.remaining())
+            table[p] = _unpack(bufs[p], 1)[0]
+        except CollectiveTimeout:
+            table[p] = _absent(TIMEOUT)
+        except TransportClosed:
+            table[p] = _absent(CLOSED)
+        except TransportBroken:
+            table[p] = _absent(BROKEN)
+        except (CollectiveMismatch, ProtocolError):
+            table[p] = _absent(PROTOCOL)
+    return table
+
+
+def send_table(coll: Coll, table: list[Record]) -> None:
+    """Rank 0: send the table to every peer (best effort: a dead peer is already in the table)."""
+    data = _pack(table)
+    reqs = []
+    for p in range(1, coll.size):
+        try:
+            reqs.append(coll.t.isend(p, data, TAG_DOWN))
+        except (TransportClosed, TransportBroken):
+            pass
+    limit = coll.deadline.remaining()
+    for req in reqs:
+        try:
+            req.wait(None if limit is None else max(limit, 1.0))
+        except (CollectiveTimeout, TransportClosed, TransportBroken):
+            pass
+
+
+def recv_table(coll: Coll) -> list[Record]:
+    """Non-root: wait for rank 0's table (timeout plus a grace period)."""
+    n = coll.size
+    buf = bytearray(RECORD_SIZE * (n + 1))
+    grace = min(5.0, 0.5 * coll.timeout)
+    remaining = coll.deadline.remaining()
+    try:
+        coll.t.irecv(ROOT, buf, TAG_DOWN).wait(None if remaining is None else remaining + grace)
+    except CollectiveTimeout as exc:
+        raise coll.timeout_error([ROOT], "rank 0 did not arrive (it coordinates every collective)") from exc
+    except (TransportClosed, TransportBroken, CollectiveMismatch) as exc:
+        raise coll.translate(exc, ROOT) from exc
+    return _unpack(buf, n + 1)
+
+
+def verdict(coll: Coll, table: list[Record], overflow: bool = False) -> None:
+    """Raise the error the table implies (the same on every rank), or return if all is well.
+
+    With ``overflow`` a NONFINITE slot reports a reduced chunk that overflowed,
+    not a bad input.
+    """
+    n, me = coll.size, coll.rank
+    slots, result = table[:n], table[n]
+    for status, cls, what in ((CLOSED, TransportClosed, "closed the link"), (BROKEN, TransportBroken, "lost the link")):
+        bad = [p for p, s in enumerate(slots) if s.status == status]
+        if bad:
+            raise cls(f"rank {me}: peer {bad[0]} {what} before or during {coll.where()} (seen by rank 0)",
+                      rank=me, peer=bad[0])
+    bad = [p for p, s in enumerate(slots) if s.status == PROTOCOL]
+    if bad:
+        raise ProtocolError(f"rank {me}: peer {bad[0]} sent rank 0 a malformed handshake in {coll.where()}")
+    missing = [p for p, s in enumerate(slots) if s.status == TIMEOUT]
+    if missing:
+        who = ", ".join(map(str, missing))
+        if me in missing:
+            detail = f"this rank arrived too late; rank 0 stopped waiting for rank(s) {who}"
+        else:
+            detail = f"rank(s) {who} did not arrive (rank 0 waited for them)"
+        raise coll.timeout_error(missing, detail)
+    ref = slots[0]
+    for p, s in enumerate(slots):
+        if s.desc() != ref.desc():
+            raise CollectiveMismatch(
+                f"rank {me}: collective mismatch: rank 0 called {ref.describe()} but rank {p} called {s.describe()}"
+            )
+    for p, s in enumerate(slots):
+        if s.status == NONFINITE:
+            raise_nonfinite(coll, p, s.index, s.value, overflow)
+    if result.status == NONFINITE:
+        raise_nonfinite(coll, result.peer if result.peer >= 0 else None, result.index, result.value)
+
+
+def raise_nonfinite(coll: Coll, culprit: int | None, index: int, value: float, overflow: bool = False) -> None:
+    if culprit is None:
+        what = "the reduced sum overflowed although every input was finite"
+        what += f" (first at element {index})" if index >= 0 else ""
+    elif overflow:
+        what = f"the reduced sum overflowed to {value!r} at element {index} of rank {culprit}'s chunk"
+        what += " although every input was finite"
+    else:
+        what = f"rank {culprit} contributed {value!r} at element {index}"
+    """Raise the NonFiniteError every rank raises for this culprit (None: an overflow)."""
+    raise NonFiniteError(
+        f"rank {coll.rank}: non-finite gradient in {coll.where()}: {what}; every rank halts",
+        contributor=None if overflow else culprit, index=index, value=value, rank=coll.rank, seq=coll.seq,
+    )
+
+
+def handshake(coll: Coll, rec: Record, overflow: bool = False) -> None:
+    """Run the whole handshake for ``rec`` and raise the verdict's error, if any."""
+    if coll.size == 1:
+        verdict(coll, [rec, Record(0, 0, 0, 0, 0, -1, 0, 0)], overflow)
+    elif coll.rank == ROOT:
+        table = gather_records(coll, rec)
+        send_table(coll, table)
+        verdict(coll, table, overflow)
+    else:
+        send_record(coll, rec)
+        verdict(coll, recv_table(coll), overflow)

@@ -1,0 +1,145 @@
+"""Star allreduce: everyone sends to rank 0, rank 0 reduces in one fused pass, then sends the result back.
+
+The handshake is folded into the data movement. A non-root sends its
+handshake record and, right behind it, its whole buffer; then it waits for
+the table and, if the verdict is good, for the result. Rank 0 collects the
+records; only if every rank called the same thing does it receive the rows,
+into a preallocated ``n x count`` buffer whose row ``p`` is rank ``p``'s
+contribution (its own input copied into row 0). One call of the fused
+:func:`~gradcoll.kernels.mean_reduce` adds the rows in rank order 0..n-1,
+divides (for ``mean``) and checks every element for NaN/Inf; ``max``/``min``
+check each row and use NumPy. Rank 0 then sends every rank the table (with
+the reduction's outcome in the result slot) followed by the result.
+
+Summation is in rank order, so the result is bitwise equal to
+``numpy.sum(rows, axis=0)`` in rank order (divided by ``n`` for ``mean``),
+and identical on every rank. Each non-root sends ``S`` bytes and receives
+``S``; rank 0 receives and sends ``(n - 1) S``. Two communication steps.
+See docs/algorithms/star.md.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+
+from .. import kernels
+from ..errors import CollectiveMismatch, CollectiveTimeout, NonFiniteError, TransportBroken, TransportClosed
+from ..transport.base import Transport
+from ._common import Coll, Workspace, as_flat, check_op, data_tag, scratch
+from ._handshake import (
+    BROKEN,
+    CLOSED,
+    NONFINITE,
+    PROTOCOL,
+    ROOT,
+    TIMEOUT,
+    Record,
+    gather_records,
+    handshake,
+    local_status,
+    make_record,
+    recv_table,
+    send_record,
+    send_table,
+    verdict,
+)
+
+__all__ = ["star_allreduce"]
+
+_UP, _DOWN = 2, 3
+
+
+def star_allreduce(
+    transport: Transport,
+    buf: np.ndarray,
+    *,
+    op: str = "mean",
+    check_finite: bool = True,
+    seq: int = 0,
+    timeout: float | None = None,
+    workspace: Workspace | None = None,
+    backend: str | None = None,
+) -> np.ndarray:
+    """Allreduce ``buf`` in place through rank 0; returns ``buf``."""
+    flat = as_flat(buf, reduce=True)
+    check_op(op)
+    coll = Coll(transport, "star allreduce", seq, flat.nbytes, timeout)
+    if coll.size == 1:
+        status = local_status(flat, check_finite, backend)
+        handshake(coll, make_record("allreduce", "star", op, flat.dtype, flat.size, seq, status=status))
+        return buf  # the mean of one contribution is itself
+    rec = make_record("allreduce", "star", op, flat.dtype, flat.size, seq)
+    if coll.rank == ROOT:
+        _root(coll, flat, op, check_finite, rec, workspace, backend)
+    else:
+        send_record(coll, rec)
+        up = coll.isend(ROOT, flat, data_tag(seq, _UP))
+        # Wait for the verdict before the send completes: rank 0 does not read
+        # the rows of a collective it rejects.
+        verdict(coll, recv_table(coll))
+        coll.begin(2)
+        coll.step = 1
+        coll.wait(up, ROOT)
+        coll.step = 2
+        coll.recv(ROOT, flat, data_tag(seq, _DOWN))
+    return buf
+
+
+def _root(coll: Coll, flat: np.ndarray, op: str, check: bool, rec: Record, ws: Workspace | None,
+          backend: str | None) -> None:
+    n = coll.size
+    table = gather_records(coll, rec)
+    if any(s.status != 0 or s.desc() != rec.desc() for s in table[:n]):
+        send_table(coll, table)
+        verdict(coll, table)  # raises
+    coll.begin(2)
+    coll.step = 1
+    rows = scratch(ws, "star", (n, flat.size), flat.dtype)
+    np.copyto(rows[0], flat)
+    tag = data_tag(coll.seq, _UP)
+    reqs = {p: coll.irecv(p, rows[p], tag) for p in range(1, n)}
+    for p, req in reqs.items():
+        try:
+            req.wait(coll.deadline.remaining())
+        except CollectiveTimeout:
+            table[p] = table[p]._replace(status=TIMEOUT)
+        except TransportClosed:
+            table[p] = table[p]._replace(status=CLOSED)
+        except TransportBroken:
+            table[p] = table[p]._replace(status=BROKEN)
+        except CollectiveMismatch:
+            table[p] = table[p]._replace(status=PROTOCOL)
+    if all(s.status == 0 for s in table[:n]):
+        _reduce_rows(rows, flat, op, check, coll, table, backend)
+    send_table(coll, table)
+    coll.step = 2
+    verdict(coll, table)
+    out = data_tag(coll.seq, _DOWN)
+    sends = [coll.isend(p, flat, out) for p in range(1, n)]
+    for p, req in zip(range(1, n), sends):
+        coll.wait(req, p)
+
+
+def _reduce_rows(rows: np.ndarray, flat: np.ndarray, op: str, check: bool, coll: Coll, table: list[Record],
+                 backend: str | None) -> None:
+    """Reduce ``rows`` into ``flat``; on NaN/Inf record the culprit in the table's result slot."""
+    n = coll.size
+    try:
+        if op in ("mean", "sum"):
+            kernels.mean_reduce(rows, out=flat, op=op, check_finite=check, backend=backend)
+        else:
+            if check:
+                for p in range(n):
+                    try:
+                        kernels.check_finite(rows[p], backend=backend)
+                    except NonFiniteError as exc:
+                        exc.contributor = p
+                        raise
+            (np.maximum if op == "max" else np.minimum).reduce(rows, axis=0, out=flat)
+    except NonFiniteError as exc:
+        table[n] = table[n]._replace(
+            status=NONFINITE,
+            peer=-1 if exc.contributor is None else int(exc.contributor),
+            index=-1 if exc.index is None else int(exc.index),
+            value=float("nan") if exc.value is None else float(exc.value),
+        )

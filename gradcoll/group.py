@@ -1,0 +1,355 @@
+"""ProcessGroup: the collectives of one group of ranks, over one transport.
+
+A :class:`ProcessGroup` is an explicit object (there is no default group).
+It numbers every collective (``seq``, the same on every rank when every rank
+makes the same calls), picks an algorithm, runs it on the caller's buffer in
+place, and returns the buffer.
+
+``async_op=True`` returns a :class:`Work` at once; the collective runs on
+the group's one background thread, in submission order, so communication
+overlaps the caller's compute. A synchronous call made while asynchronous
+work is queued waits its turn behind it, which keeps the order of
+collectives the same on every rank. A group is meant to be driven by one
+thread (like a CUDA stream); ``Work`` handles may be waited on from any.
+
+Failure is sticky: a collective that raises poisons the group, and every
+later call raises :class:`~gradcoll.errors.GroupPoisoned` chained to the
+original error. Misuse caught before anything is sent (a wrong dtype, an
+unknown op) raises :class:`~gradcoll.errors.UsageError` and does not.
+
+``algorithm="auto"`` picks by message size and world size with
+:func:`gradcoll.algorithms.select_allreduce` (thresholds measured on the
+2-core development machine over inproc and tcp, see
+docs/algorithms/collectives.md): recursive doubling on 2 ranks; the ring
+from ``RING_BYTES`` (8 MiB) up; below that the star on up to
+``STAR_MAX_RANKS`` (8) ranks, recursive doubling (up to ``SMALL_BYTES``,
+64 KiB) or the ring on more.
+"""
+
+from __future__ import annotations
+
+import collections
+import threading
+from typing import Any, Callable, Sequence
+
+import numpy as np
+
+from .algorithms import ALLREDUCE, allgather, barrier, broadcast, reduce_scatter, select_allreduce
+from .algorithms._common import REDUCE_DTYPES, Workspace, check_op
+from .algorithms.ring import SEGMENT_BYTES
+from .errors import CollectiveTimeout, GroupPoisoned, TransportClosed, UsageError
+from .transport.base import Transport
+
+__all__ = ["ProcessGroup", "Work"]
+
+
+class Work:
+    """Handle of one asynchronous collective (``async_op=True``)."""
+
+    def __init__(self, name: str, seq: int) -> None:
+        self.name = name
+        self.seq = seq
+        self._done = threading.Event()
+        self._result: Any = None
+        self._exc: BaseException | None = None
+
+    def _finish(self, result: Any, exc: BaseException | None) -> None:
+        self._result, self._exc = result, exc
+        self._done.set()
+
+    def is_completed(self) -> bool:
+        """True once the collective finished, successfully or not."""
+        return self._done.is_set()
+
+    def wait(self, timeout: float | None = None) -> Any:
+        """Block until done (at most ``timeout`` s); re-raise its error; return its result.
+
+        Running out of ``timeout`` raises CollectiveTimeout but does not cancel
+        the collective, which is bounded by its own timeout.
+        """
+        if not self._done.wait(timeout):
+            raise CollectiveTimeout(
+                f"{self.name} (seq {self.seq}) did not complete within {timeout}s (it is still running)",
+                op=self.name, seq=self.seq,
+            )
+        if self._exc is not None:
+            raise self._exc
+        return self._result
+
+    def result(self, timeout: float | None = None) -> Any:
+        """The collective's result (the caller's buffer), waiting as :meth:`wait` does."""
+        return self.wait(timeout)
+
+    def exception(self) -> BaseException | None:
+        """The error the collective raised, or None (also None while it is still running)."""
+        return self._exc if self._done.is_set() else None
+
+    def __repr__(self) -> str:
+        state = "failed" if self._exc else "done" if self.is_completed() else "pending"
+        return f"<Work {self.name} seq={self.seq} {state}>"
+
+
+def _writable(buf: Any, *, reduce: bool, what: str = "buf") -> tuple[np.ndarray, Callable[[], None]]:
+    """A C-contiguous array to run on, and a function that copies the result back into ``buf``."""
+    if not isinstance(buf, np.ndarray):
+        raise UsageError(f"{what} must be a numpy array (collectives work in place), got {type(buf).__name__}")
+    if not buf.flags.writeable:
+        raise UsageError(f"{what} is read-only; collectives work in place")
+    if reduce and buf.dtype not in REDUCE_DTYPES:
+        raise UsageError(f"{what} has dtype {buf.dtype}; reductions take float16, float32 or float64")
+    if buf.flags.c_contiguous:
+        return buf, lambda: None
+    work = np.ascontiguousarray(buf)  # documented copy for strided views
+    return work, lambda: np.copyto(buf, work)
+
+
+class ProcessGroup:
+    """Collectives over ``transport``: ``allreduce``, ``broadcast``, ``allgather``, ... (see module doc).
+
+    ``timeout`` (seconds, default the transport's) bounds every wait for a
+    peer; ``segment_bytes`` is the ring's pipeline segment; ``kernel_backend``
+    pins the reduction kernels (``"cython"``, ``"numba"``, ``"numpy"``; None
+    lets :mod:`gradcoll.kernels` choose).
+    """
+
+    def __init__(self, transport: Transport, *, timeout: float | None = None,
+                 segment_bytes: int = SEGMENT_BYTES, kernel_backend: str | None = None) -> None:
+        self.transport = transport
+        self.kernel_backend = kernel_backend
+        self.rank = transport.rank
+        self.size = transport.size
+        self.timeout = transport.timeout if timeout is None else timeout
+        self.segment_bytes = segment_bytes
+        self._seq = 0
+        self._lock = threading.Condition()
+        self._queue: collections.deque[tuple[Work, Callable[[int], Any]]] = collections.deque()
+        self._busy = False
+        self._worker: threading.Thread | None = None
+        self._closed = False
+        self._poison: tuple[str, int, BaseException] | None = None
+        self._ws = Workspace()
+
+    # -- state -------------------------------------------------------------
+    @property
+    def seq(self) -> int:
+        """Sequence number the next collective will get."""
+        return self._seq
+
+    @property
+    def poisoned(self) -> bool:
+        """True once a collective failed; the group must then be rebuilt."""
+        return self._poison is not None
+
+    def _raise_if_unusable(self) -> None:
+        if self._closed:
+            raise TransportClosed(f"rank {self.rank}: process group is closed", rank=self.rank)
+        if self._poison is not None:
+            name, seq, exc = self._poison
+            raise GroupPoisoned(
+                f"rank {self.rank}: process group is poisoned: {name} (seq {seq}) failed with "
+                f"{type(exc).__name__}: {exc}; build a new group"
+            ) from exc
+
+    # -- execution ---------------------------------------------------------
+    def _submit(self, name: str, job: Callable[[int], Any], async_op: bool, nseq: int = 1) -> Any:
+        with self._lock:
+            self._raise_if_unusable()
+            seq = self._seq
+            self._seq += nseq
+            inline = not async_op and not self._queue and not self._busy
+            if inline:
+                self._busy = True
+            else:
+                work = Work(name, seq)
+                self._queue.append((work, lambda: self._run(name, seq, job)))
+                if self._worker is None:
+                    self._worker = threading.Thread(target=self._serve, name=f"gradcoll-rank{self.rank}", daemon=True)
+                    self._worker.start()
+                self._lock.notify_all()
+        if not inline:
+            return work if async_op else work.wait()
+        try:
+            return self._run(name, seq, job)
+        finally:
+            with self._lock:
+                self._busy = False
+                self._lock.notify_all()
+
+    def _run(self, name: str, seq: int, job: Callable[[int], Any]) -> Any:
+        with self._lock:
+            self._raise_if_unusable()
+        try:
+            return job(seq)
+        except BaseException as exc:
+            with self._lock:
+                if self._poison is None:
+                    self._poison = (name, seq, exc)
+            raise
+
+    def _serve(self) -> None:
+        while True:
+            with self._lock:
+                while not self._queue and not self._closed:
+                    self._lock.wait()
+                if not self._queue:
+                    return
+                while self._busy:  # an inline call that started before our job was queued
+                    self._lock.wait()
+                work, call = self._queue.popleft()
+                self._busy = True
+            try:
+                work._finish(call(), None)
+            except BaseException as exc:
+                work._finish(None, exc)
+            finally:
+                with self._lock:
+                    self._busy = False
+                    self._lock.notify_all()
+
+    def _timeout(self, timeout: float | None) -> float:
+        return self.timeout if timeout is None else timeout
+
+    # -- collectives -------------------------------------------------------
+    def allreduce(self, buf: np.ndarray, op: str = "mean", algorithm: str = "auto", check_finite: bool = True,
+                  async_op: bool = False, timeout: float | None = None) -> Any:
+        """Reduce ``buf`` across all ranks in place (mean, sum, max or min); returns ``buf`` (or a Work)."""
+        work, writeback = _writable(buf, reduce=True)
+        check_op(op)
+        algo = self._pick(algorithm, work.nbytes)
+        fn = ALLREDUCE[algo]
+        extra = {"segment_bytes": self.segment_bytes} if algo == "ring" else {}
+        limit = self._timeout(timeout)
+
+        def job(seq: int) -> np.ndarray:
+            fn(self.transport, work, op=op, check_finite=check_finite, seq=seq, timeout=limit,
+               workspace=self._ws, backend=self.kernel_backend, **extra)
+            writeback()
+            return buf
+
+        return self._submit(f"{algo} allreduce", job, async_op)
+
+    def allreduce_many(self, arrays: Sequence[np.ndarray], op: str = "mean", algorithm: str = "auto",
+                       check_finite: bool = True, async_op: bool = False, timeout: float | None = None) -> Any:
+        """Allreduce several arrays with one collective per dtype (packed into a fusion buffer); returns the list."""
+        arrays = list(arrays)
+        for i, a in enumerate(arrays):
+            _writable(a, reduce=True, what=f"arrays[{i}]")
+        check_op(op)
+        groups: dict[np.dtype, list[np.ndarray]] = {}
+        for a in arrays:
+            groups.setdefault(a.dtype, []).append(a)
+        plans = []
+        for dt, members in groups.items():
+            total = sum(a.size for a in members)
+            plans.append((dt, members, total, self._pick(algorithm, total * dt.itemsize)))
+        limit = self._timeout(timeout)
+
+        def job(seq: int) -> list[np.ndarray]:
+            for k, (dt, members, total, algo) in enumerate(plans):
+                fused = self._ws.get("fusion", total, dt)
+                offsets = np.cumsum([0] + [a.size for a in members])
+                for a, lo, hi in zip(members, offsets[:-1], offsets[1:]):
+                    fused[lo:hi].reshape(a.shape)[...] = a
+                extra = {"segment_bytes": self.segment_bytes} if algo == "ring" else {}
+                ALLREDUCE[algo](self.transport, fused, op=op, check_finite=check_finite, seq=seq + k,
+                                timeout=limit, workspace=self._ws, backend=self.kernel_backend, **extra)
+                for a, lo, hi in zip(members, offsets[:-1], offsets[1:]):
+                    a[...] = fused[lo:hi].reshape(a.shape)
+            return arrays
+
+        return self._submit("allreduce_many", job, async_op, nseq=max(1, len(plans)))
+
+    def broadcast(self, buf: np.ndarray, root: int = 0, async_op: bool = False,
+                  timeout: float | None = None) -> Any:
+        """Copy ``root``'s ``buf`` into ``buf`` on every rank; returns ``buf`` (or a Work)."""
+        work, writeback = _writable(buf, reduce=False)
+        if not isinstance(root, (int, np.integer)) or not 0 <= root < self.size:
+            raise UsageError(f"rank {self.rank}: broadcast root {root!r} out of range for world size {self.size}")
+        limit = self._timeout(timeout)
+
+        def job(seq: int) -> np.ndarray:
+            broadcast(self.transport, work, root=int(root), seq=seq, timeout=limit)
+            writeback()
+            return buf
+
+        return self._submit("broadcast", job, async_op)
+
+    def allgather(self, buf: np.ndarray, out: np.ndarray | None = None, async_op: bool = False,
+                  timeout: float | None = None) -> Any:
+        """Every rank's ``buf`` stacked in rank order: an array of shape ``(size, *buf.shape)``."""
+        if not isinstance(buf, np.ndarray):
+            raise UsageError(f"buf must be a numpy array, got {type(buf).__name__}")
+        src = np.ascontiguousarray(buf)
+        shape = (self.size,) + buf.shape
+        if out is None:
+            out = np.empty(shape, buf.dtype)
+        elif not isinstance(out, np.ndarray) or out.shape != shape or out.dtype != buf.dtype:
+            raise UsageError(f"rank {self.rank}: allgather out must be a {buf.dtype} array of shape {shape}")
+        dst, writeback = _writable(out, reduce=False, what="out")
+        limit = self._timeout(timeout)
+
+        def job(seq: int) -> np.ndarray:
+            allgather(self.transport, src, dst, seq=seq, timeout=limit)
+            writeback()
+            return out
+
+        return self._submit("allgather", job, async_op)
+
+    def reduce_scatter(self, buf: np.ndarray, op: str = "mean", check_finite: bool = True,
+                       async_op: bool = False, timeout: float | None = None) -> Any:
+        """Reduce ``buf`` across ranks; returns the view of ``buf`` (flattened) holding this rank's chunk.
+
+        Chunk ``r`` of the near-equal split (the first ``len % size`` chunks one
+        element longer) ends on rank ``r``; the rest of ``buf`` is scratch.
+        """
+        work, _ = _writable(buf, reduce=True)
+        if work is not buf:
+            raise UsageError("reduce_scatter needs a C-contiguous buffer (it returns a view of it)")
+        check_op(op)
+        limit = self._timeout(timeout)
+
+        def job(seq: int) -> np.ndarray:
+            return reduce_scatter(self.transport, buf, op=op, check_finite=check_finite, seq=seq, timeout=limit,
+                                  segment_bytes=self.segment_bytes, workspace=self._ws, backend=self.kernel_backend)
+
+        return self._submit("reduce_scatter", job, async_op)
+
+    def barrier(self, async_op: bool = False, timeout: float | None = None) -> Any:
+        """Block until every rank has reached the barrier."""
+        limit = self._timeout(timeout)
+        return self._submit("barrier", lambda seq: barrier(self.transport, seq=seq, timeout=limit), async_op)
+
+    def _pick(self, algorithm: str, nbytes: int) -> str:
+        if algorithm == "auto":
+            return select_allreduce(nbytes, self.size)
+        if algorithm not in ALLREDUCE:
+            raise UsageError(f"unknown allreduce algorithm {algorithm!r}; known: auto, {', '.join(ALLREDUCE)}")
+        return algorithm
+
+    # -- lifetime ----------------------------------------------------------
+    def close(self) -> None:
+        """Fail queued work, close the transport (peers see TransportClosed), stop the worker. Idempotent."""
+        with self._lock:
+            if self._closed:
+                return
+            self._closed = True
+            pending = list(self._queue)
+            self._queue.clear()
+            self._lock.notify_all()
+        for work, _ in pending:
+            work._finish(None, TransportClosed(
+                f"rank {self.rank}: process group closed before {work.name} (seq {work.seq}) ran", rank=self.rank))
+        self.transport.close()
+        worker = self._worker
+        if worker is not None and worker is not threading.current_thread():
+            worker.join(timeout=5.0)
+
+    def __enter__(self) -> "ProcessGroup":
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+    def __repr__(self) -> str:
+        state = " closed" if self._closed else " poisoned" if self._poison else ""
+        return f"<ProcessGroup rank={self.rank} size={self.size} {self.transport.name} seq={self._seq}{state}>"

@@ -1,0 +1,368 @@
+"""TCP transport: one socket per pair of ranks, driven by the caller's thread.
+
+Bootstrap (:func:`create`): every rank that has higher peers listens and
+publishes ``host port token`` in the store; every rank dials each lower rank,
+so each pair gets exactly one connection. A 32-byte handshake (magic,
+version, rank, world size, the listener's random token) refuses strangers,
+stale addresses and duplicate links.
+
+Data path: sockets are non-blocking with TCP_NODELAY and large buffers.
+``isend`` writes header + payload inline with one ``sendmsg`` when the socket
+has room (the small-message path never hands off to another thread);
+whatever does not fit is queued. ``wait`` drives every queued send and receive
+of the transport with ``poll`` (busy-polling for the first 50 us) until its
+own operation is done, so a ring's pending send keeps moving while the caller
+waits for the left neighbour, and two peers exchanging 64 MiB at once never
+deadlock. Receives land directly in the caller's buffer (``recvmsg_into`` /
+``recv_into``, no staging copy).
+
+Queues, ordering, timeouts and the one-driver-at-a-time waiting live in
+:class:`~gradcoll.transport._frame.FramedTransport`; a socketpair wakes the
+driver when another thread queues work. Frame format: ``docs/wire.md``.
+"""
+
+from __future__ import annotations
+
+import logging
+import secrets
+import select
+import socket
+import time
+
+from ..errors import CollectiveTimeout, ProtocolError, TransportBroken, TransportClosed, UsageError
+from ..store import Store
+from . import _frame as fr
+from .base import Deadline
+
+__all__ = ["TcpTransport", "create"]
+
+log = logging.getLogger(__name__)
+
+SOCKBUF = 4 << 20
+HANDSHAKE_TIMEOUT = 5.0
+SPIN_S = 50e-6  # busy-poll this long before blocking in poll()
+_HDR = fr.HEADER_SIZE
+
+
+class _SockLink(fr.Link):
+    """A link over one connected, non-blocking socket."""
+
+    def __init__(self, peer: int, sock: socket.socket) -> None:
+        super().__init__(peer)
+        self.sock, self.fd = sock, sock.fileno()
+        self.events = 0  # mask currently registered with poll
+
+
+class TcpTransport(fr.FramedTransport):
+    """Point-to-point transport over one TCP connection per peer (see the module docstring)."""
+
+    name = "tcp"
+
+    def __init__(self, rank: int, size: int, socks: dict[int, socket.socket], timeout: float = 300.0) -> None:
+        for s in socks.values():
+            s.setblocking(False)
+        super().__init__(rank, size, {p: _SockLink(p, s) for p, s in socks.items()}, timeout)
+        self._peers = [ln for ln in self._links if ln is not None]
+        self._poll = select.poll()
+        self._wake_r, self._wake_w = socket.socketpair()
+        self._wake_r.setblocking(False)
+        self._wake_w.setblocking(False)
+        self._poll.register(self._wake_r.fileno(), select.POLLIN)
+        self._idle_since = 0.0
+        self._spin = SPIN_S
+
+    # -- waiting ---------------------------------------------------------
+    def _before_idle(self) -> None:
+        for link in self._peers:
+            mask = (select.POLLIN if link.recvq else 0) | (select.POLLOUT if link.sendq else 0)
+            if mask != link.events:
+                if link.events == 0:
+                    self._poll.register(link.fd, mask)
+                elif mask == 0:
+                    self._poll.unregister(link.fd)
+                else:
+                    self._poll.modify(link.fd, mask)
+                link.events = mask
+
+    def _idle(self, rounds: int, deadline: Deadline) -> None:
+        # Busy-poll briefly before sleeping in poll(): waking a sleeping process
+        # costs tens of microseconds, more than a small message's round trip.
+        if rounds <= 1:
+            self._idle_since = time.monotonic()
+        left = deadline.remaining()
+        if time.monotonic() - self._idle_since < self._spin:
+            left = 0.0
+        for fd, _ in self._poll.poll(None if left is None else left * 1000.0):
+            if fd == self._wake_r.fileno():
+                try:
+                    self._wake_r.recv(4096)
+                except OSError:
+                    pass
+
+    def _wake_driver(self) -> None:
+        try:
+            self._wake_w.send(b"\0")
+        except OSError:  # full or closed: the driver is awake anyway
+            pass
+
+    # -- moving bytes ----------------------------------------------------
+    def _push(self, link: _SockLink) -> bool:
+        q, finished = link.sendq, False
+        while q:
+            op = q[0]
+            if op.hdr is None:
+                op.seq, link.send_seq = link.send_seq, link.send_seq + 1
+                op.hdr = fr.pack_header(op.seq, op.tag, op.total)
+            try:
+                if op.off < _HDR:  # gather: header and payload in one syscall
+                    n = link.sock.sendmsg([op.hdr[op.off :], op.view])
+                else:
+                    n = link.sock.send(op.view[op.off - _HDR :])
+            except (BlockingIOError, InterruptedError):
+                return finished
+            except OSError as e:
+                self._send_failed(link, e)
+                return True
+            op.off += n
+            if op.off < _HDR + op.total:
+                return finished  # socket buffer full; poll for POLLOUT
+            q.popleft()
+            op.done = finished = True
+        return finished
+
+    def _pull(self, link: _SockLink) -> bool:
+        q, finished = link.recvq, False
+        while q:
+            op = q[0]
+            if op.hdr is None:
+                op.hdr = bytearray(_HDR)
+                op.seq = link.recv_seq
+            try:
+                if op.off < _HDR:  # scatter: header and payload in one syscall
+                    bufs = [memoryview(op.hdr)[op.off :]]
+                    if op.total:
+                        bufs.append(op.view)
+                    n = link.sock.recvmsg_into(bufs)[0]
+                else:
+                    n = link.sock.recv_into(op.view[op.off - _HDR :])
+            except (BlockingIOError, InterruptedError):
+                return finished
+            except OSError as e:
+                self._fail(link, TransportBroken, f"link broke ({e.strerror or e})", e)
+                return True
+            if n == 0:
+                where = "in the middle of a message" if op.off else "without an orderly close (process died?)"
+                self._fail(link, TransportBroken, f"peer {link.peer} dropped the connection {where}")
+                return True
+            before, op.off = op.off, op.off + n
+            if before < _HDR <= op.off:
+                try:
+                    got = fr.unpack_header(op.hdr)
+                except ProtocolError as e:
+                    self._fail(link, TransportBroken, f"peer {link.peer} broke the protocol: {e}", e, fr.ABORT_PROTOCOL)
+                    return True
+                if not self._accept_header(link, op, got):
+                    return True
+            if op.off < _HDR + op.total:
+                continue  # more may be readable already; EAGAIN ends the loop
+            q.popleft()
+            link.recv_seq += 1
+            op.done = finished = True
+        return finished
+
+    def _send_failed(self, link: _SockLink, e: OSError) -> None:
+        # EPIPE/ECONNRESET also follow an orderly close; if the peer's CLOSE
+        # frame is next in the stream, report "closed", not "broken".
+        cls, reason = TransportBroken, f"link broke ({e.strerror or e})"
+        if not (link.recvq and link.recvq[0].off):
+            try:
+                head = link.sock.recv(_HDR, socket.MSG_PEEK | socket.MSG_DONTWAIT)
+                if len(head) == _HDR and fr.unpack_header(head).kind == fr.CLOSE:
+                    cls, reason = TransportClosed, f"peer {link.peer} closed the link"
+            except (OSError, ProtocolError):
+                pass
+        self._fail(link, cls, reason, e)
+
+    # -- failure and close -------------------------------------------------
+    def _on_fail(self, link: _SockLink, abort: int | None) -> None:
+        if abort is not None and not (link.sendq and link.sendq[0].off):
+            try:  # best effort: only if we are between messages and there is room
+                link.sock.send(fr.pack_header(link.send_seq, abort, 0, fr.ABORT), socket.MSG_DONTWAIT)
+            except OSError:
+                pass
+        try:  # wakes a poller and tells the peer at once; the fd is closed in close()
+            link.sock.shutdown(socket.SHUT_RDWR)
+        except OSError:
+            pass
+
+    def close(self) -> None:
+        """Flush queued sends, send CLOSE to every peer, fail pending receives, release sockets."""
+        if self.closed:
+            return
+        self._close_links(_say_goodbye)
+        for link in self._peers:
+            link.sock.close()
+        self._wake_r.close()
+        self._wake_w.close()
+
+
+def _say_goodbye(link: _SockLink) -> None:
+    """Flush queued sends (for up to a second), send CLOSE, then half-close."""
+    sock, deadline = link.sock, Deadline(1.0)
+    try:
+        for op in list(link.sendq):  # the peer gets what was sent before CLOSE
+            if op.hdr is None:
+                op.seq, link.send_seq = link.send_seq, link.send_seq + 1
+                op.hdr = fr.pack_header(op.seq, op.tag, op.total)
+            for part in (op.hdr[op.off :] if op.off < _HDR else b"", op.view[max(0, op.off - _HDR) :]):
+                sock.settimeout(max(deadline.remaining() or 0.0, 1e-3))
+                sock.sendall(part)
+            link.sendq.popleft()
+            op.off, op.done = _HDR + op.total, True
+        sock.settimeout(max(deadline.remaining() or 0.0, 1e-3))
+        sock.sendall(fr.pack_header(link.send_seq, 0, 0, fr.CLOSE))
+        # Unread input makes the kernel answer our close with RST, which can
+        # overtake the CLOSE frame at the peer: drain what is already here.
+        sock.setblocking(False)
+        while sock.recv(1 << 16):
+            pass
+    except OSError:
+        pass
+    try:
+        sock.shutdown(socket.SHUT_WR)
+    except OSError:
+        pass
+
+
+# -- bootstrap ----------------------------------------------------------------
+def create(
+    store: Store,
+    rank: int,
+    size: int,
+    *,
+    timeout: float = 300.0,
+    host: str = "127.0.0.1",
+    sockbuf: int = SOCKBUF,
+    key_prefix: str = "gradcoll/tcp",
+) -> TcpTransport:
+    """Connect ``rank`` to every other rank over TCP, exchanging addresses through ``store``.
+
+    Every rank with higher peers listens on ``host`` (an ephemeral port) and
+    publishes its address under ``{key_prefix}/{rank}``; each rank then dials
+    every lower rank and accepts every higher one. Use a fresh
+    :class:`~gradcoll.store.PrefixStore` per group so stale addresses of an
+    earlier group are never read. ``timeout`` bounds the whole bootstrap and
+    becomes the transport's default timeout.
+    """
+    if size < 1 or not 0 <= rank < size:
+        raise UsageError(f"rank {rank} out of range for world size {size}")
+    deadline = Deadline(timeout)
+    socks: dict[int, socket.socket] = {}
+    listener = None
+    try:
+        if rank < size - 1:
+            listener = socket.socket(_family(host), socket.SOCK_STREAM)
+            _tune(listener, sockbuf)  # accepted sockets inherit the buffer sizes
+            listener.bind((host, 0))
+            listener.listen(size)
+            token = secrets.token_bytes(16)
+            port = listener.getsockname()[1]
+            store.set(f"{key_prefix}/{rank}", f"{host} {port} {token.hex()}".encode())
+        for peer in range(rank):
+            socks[peer] = _dial(store, f"{key_prefix}/{peer}", rank, size, peer, deadline, sockbuf)
+        if listener is not None:
+            socks.update(_accept_all(listener, token, rank, size, deadline))
+    except BaseException:
+        for s in socks.values():
+            s.close()
+        raise
+    finally:
+        if listener is not None:
+            listener.close()
+    for s in socks.values():
+        s.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+    return TcpTransport(rank, size, socks, timeout=timeout)
+
+
+def _family(host: str) -> socket.AddressFamily:
+    return socket.AF_INET6 if ":" in host else socket.AF_INET
+
+
+def _tune(sock: socket.socket, sockbuf: int) -> None:
+    if sockbuf:
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_SNDBUF, sockbuf)
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, sockbuf)
+
+
+def _recv_exact(sock: socket.socket, n: int) -> bytes:
+    buf = bytearray()
+    while len(buf) < n:
+        chunk = sock.recv(n - len(buf))
+        if not chunk:
+            raise ProtocolError(f"connection closed during the handshake after {len(buf)} of {n} bytes")
+        buf += chunk
+    return bytes(buf)
+
+
+def _dial(store: Store, key: str, rank: int, size: int, peer: int, deadline: Deadline, sockbuf: int) -> socket.socket:
+    """Connect to ``peer``'s listener and complete the handshake, retrying until the deadline."""
+    delay, last = 0.005, None
+    while True:
+        left = deadline.remaining()
+        host, port, token_hex = store.get(key, left).decode().split()
+        sock = socket.socket(_family(host), socket.SOCK_STREAM)
+        try:
+            _tune(sock, sockbuf)
+            sock.settimeout(min(HANDSHAKE_TIMEOUT, left) if left is not None else HANDSHAKE_TIMEOUT)
+            sock.connect((host, int(port)))
+            token = bytes.fromhex(token_hex)
+            sock.sendall(fr.pack_hello(fr.HELLO, rank, size, token))
+            ack = fr.unpack_hello(_recv_exact(sock, fr.HELLO_SIZE))
+            if ack.kind != fr.ACK or ack.rank != peer or ack.size != size or ack.token != token:
+                raise ProtocolError(f"unexpected handshake answer {ack}")
+            sock.settimeout(None)
+            return sock
+        except (OSError, ProtocolError) as e:  # refused, stale address, stranger: retry
+            sock.close()
+            last = e
+        if deadline.expired():
+            raise CollectiveTimeout(
+                f"rank {rank}: could not connect to peer {peer} at {host}:{port} within "
+                f"{deadline.timeout}s (tcp transport; last error: {last})",
+                rank=rank, missing=[peer], op="tcp connect",
+            )
+        time.sleep(min(delay, deadline.remaining() or delay))  # back off between connect attempts
+        delay = min(delay * 2, 0.2)
+
+
+def _accept_all(
+    listener: socket.socket, token: bytes, rank: int, size: int, deadline: Deadline
+) -> dict[int, socket.socket]:
+    """Accept one authenticated connection from every higher rank; refuse anything else."""
+    pending, socks = set(range(rank + 1, size)), {}
+    while pending:
+        left = deadline.remaining()
+        if left == 0:
+            raise CollectiveTimeout(
+                f"rank {rank}: peers {sorted(pending)} did not connect within {deadline.timeout}s (tcp transport)",
+                rank=rank, missing=sorted(pending), op="tcp accept",
+            )
+        listener.settimeout(left)
+        try:
+            conn, addr = listener.accept()
+        except TimeoutError:
+            continue
+        try:
+            conn.settimeout(min(HANDSHAKE_TIMEOUT, left) if left is not None else HANDSHAKE_TIMEOUT)
+            hello = fr.unpack_hello(_recv_exact(conn, fr.HELLO_SIZE))
+            if hello.kind != fr.HELLO or hello.token != token or hello.size != size or hello.rank not in pending:
+                raise ProtocolError(f"unexpected handshake {hello} (expecting one of ranks {sorted(pending)})")
+            conn.sendall(fr.pack_hello(fr.ACK, rank, size, token))
+            conn.settimeout(None)
+        except (OSError, ProtocolError) as e:
+            log.warning("rank %d: refused a connection from %s: %s", rank, addr, e)
+            conn.close()
+            continue
+        pending.discard(hello.rank)
+        socks[hello.rank] = conn
+    return socks

@@ -1,0 +1,241 @@
+"""ProcessGroup and Work over the inproc transport, ranks as threads."""
+
+from __future__ import annotations
+
+import threading
+from typing import Any, Callable
+
+import numpy as np
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from gradcoll.errors import (
+    CollectiveMismatch,
+    CollectiveTimeout,
+    GroupPoisoned,
+    NonFiniteError,
+    TransportClosed,
+    UsageError,
+)
+from gradcoll.group import ProcessGroup, Work
+from gradcoll.transport.inproc import create_world
+
+
+def run_groups(n: int, fn: Callable[[ProcessGroup], Any], timeout: float = 10.0) -> tuple[list[Any], list[Any]]:
+    """Run ``fn(group)`` on ``n`` threads, one ProcessGroup each; returns (results, errors)."""
+    groups = [ProcessGroup(t) for t in create_world(n, timeout=timeout)]
+    results: list[Any] = [None] * n
+    errors: list[Any] = [None] * n
+
+    def target(r: int) -> None:
+        try:
+            results[r] = fn(groups[r])
+        except BaseException as exc:
+            errors[r] = exc
+
+    threads = [threading.Thread(target=target, args=(r,)) for r in range(n)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(60)
+    assert not any(t.is_alive() for t in threads), "a rank hung"
+    for g in groups:
+        g.close()
+    return results, errors
+
+
+def ok(n: int, fn: Callable[[ProcessGroup], Any], timeout: float = 10.0) -> list[Any]:
+    results, errors = run_groups(n, fn, timeout)
+    for e in errors:
+        if e is not None:
+            raise e
+    return results
+
+
+@pytest.mark.parametrize("algorithm", ["auto", "ring", "star", "recursive_doubling"])
+def test_allreduce_in_place_returns_the_buffer(algorithm: str) -> None:
+    def fn(g: ProcessGroup) -> bool:
+        buf = np.full((3, 5), g.rank + 1, np.float32)
+        out = g.allreduce(buf, algorithm=algorithm)
+        return out is buf and bool((buf == 2.5).all())
+
+    assert ok(4, fn) == [True] * 4
+
+
+def test_strided_buffer_is_reduced_in_place() -> None:
+    def fn(g: ProcessGroup) -> np.ndarray:
+        base = np.zeros((6, 4), np.float64)
+        view = base[:, 1]
+        view[:] = g.rank
+        g.allreduce(view, op="sum")
+        return base
+
+    for base in ok(3, fn):
+        assert (base[:, 1] == 3).all() and (base[:, 0] == 0).all()
+
+
+def test_ops_and_sequence_numbers() -> None:
+    def fn(g: ProcessGroup) -> tuple:
+        x = np.array([g.rank, -g.rank], np.float32)
+        got = tuple(g.allreduce(x.copy(), op=op).tolist() for op in ("sum", "max", "min", "mean"))
+        return got + (g.seq,)
+
+    for r in ok(3, fn):
+        assert r == ([3, -3], [2, 0], [0, -2], [1, -1], 4)
+
+
+def test_async_work_runs_in_submission_order_and_overlaps() -> None:
+    def fn(g: ProcessGroup) -> list:
+        bufs = [np.full(1000, g.rank * 10 + k, np.float64) for k in range(5)]
+        works = [g.allreduce(b, op="sum", async_op=True) for b in bufs]
+        assert all(isinstance(w, Work) for w in works)
+        sync = g.allreduce(np.ones(2), op="sum")  # queued behind the async ones
+        assert all(w.is_completed() for w in works) and sync.tolist() == [3.0, 3.0]
+        return [w.wait()[0] for w in works] + [w.exception() for w in works]
+
+    for r in ok(3, fn):
+        assert r == [30.0 + 3 * k for k in range(5)] + [None] * 5
+
+
+def test_work_wait_with_timeout_and_result() -> None:
+    go = threading.Event()
+
+    def fn(g: ProcessGroup) -> Any:
+        if g.rank == 1:
+            go.wait(10)
+            return g.barrier()
+        w = g.barrier(async_op=True)
+        with pytest.raises(CollectiveTimeout, match="still running"):
+            w.wait(timeout=0.01)
+        assert not w.is_completed() and w.exception() is None
+        go.set()
+        return w.result(timeout=10)
+
+    ok(2, fn)
+
+
+def test_allreduce_many_packs_mixed_shapes_and_dtypes() -> None:
+    def fn(g: ProcessGroup) -> list:
+        arrays = [np.full((2, 3), g.rank, np.float32), np.full(5, g.rank, np.float64),
+                  np.full(1, g.rank, np.float32), np.zeros(0, np.float32)]
+        before = g.seq
+        out = g.allreduce_many(arrays, op="sum")
+        assert out[0] is arrays[0] and g.seq == before + 2  # one collective per dtype
+        return [a.tolist() for a in out]
+
+    for r in ok(3, fn):
+        assert r == [[[3.0] * 3] * 2, [3.0] * 5, [3.0], []]
+    works = ok(2, lambda g: g.allreduce_many([np.ones(4, np.float32)], async_op=True).wait())
+    assert [w[0].tolist() for w in works] == [[1.0] * 4] * 2
+
+
+def test_nonfinite_poisons_the_group_on_every_rank() -> None:
+    def fn(g: ProcessGroup) -> Any:
+        x = np.ones(10, np.float32)
+        if g.rank == 2:
+            x[4] = np.inf
+        with pytest.raises(NonFiniteError) as info:
+            g.allreduce(x)
+        assert (info.value.contributor, info.value.index, info.value.seq) == (2, 4, 0)
+        assert g.poisoned
+        with pytest.raises(GroupPoisoned, match=r"seq 0\) failed with NonFiniteError") as again:
+            g.barrier()
+        assert isinstance(again.value.__cause__, NonFiniteError)
+        return True
+
+    assert ok(3, fn) == [True] * 3
+
+
+def test_failed_async_work_poisons_what_is_queued_behind_it() -> None:
+    def fn(g: ProcessGroup) -> list:
+        x = np.ones(4, np.float32)
+        x[1] = np.nan if g.rank == 1 else 1.0
+        first = g.allreduce(x, async_op=True)
+        second = g.allreduce(np.ones(4, np.float32), async_op=True)
+        with pytest.raises(GroupPoisoned):
+            second.wait(10)
+        return [type(first.exception()).__name__, type(second.exception()).__name__]
+
+    assert ok(2, fn) == [["NonFiniteError", "GroupPoisoned"]] * 2
+
+
+def test_usage_errors_do_not_poison() -> None:
+    def fn(g: ProcessGroup) -> bool:
+        for bad in (lambda: g.allreduce(np.ones(3, np.int64)), lambda: g.allreduce([1.0, 2.0]),
+                    lambda: g.allreduce(np.ones(3), op="prod"), lambda: g.allreduce(np.ones(3), algorithm="magic"),
+                    lambda: g.broadcast(np.ones(3), root=7), lambda: g.allgather(np.ones(2), out=np.ones(3))):
+            with pytest.raises(UsageError):
+                bad()
+        assert g.seq == 0 and not g.poisoned
+        return g.allreduce(np.ones(2)).tolist() == [1.0, 1.0]
+
+    assert ok(2, fn) == [True, True]
+
+
+def test_mismatch_and_timeout_messages_name_ranks_and_seq() -> None:
+    _, errors = run_groups(2, lambda g: g.allreduce(np.ones(4 + g.rank, np.float32), algorithm="ring"))
+    for e in errors:
+        assert isinstance(e, CollectiveMismatch)
+        assert "count=4" in str(e) and "count=5" in str(e) and "seq 0" in str(e)
+
+    def late(g: ProcessGroup) -> Any:
+        if g.rank == 1:
+            return None
+        return g.allreduce(np.ones(8), timeout=0.2)
+
+    _, errors = run_groups(3, late)
+    assert errors[1] is None
+    for e in (errors[0], errors[2]):
+        assert isinstance(e, CollectiveTimeout) and e.missing == [1] and e.seq == 0 and e.nbytes == 64
+
+
+def test_close_fails_peers_and_queued_work() -> None:
+    closed = threading.Event()
+
+    def fn(g: ProcessGroup) -> Any:
+        if g.rank == 0:
+            g.close()
+            closed.set()
+            with pytest.raises(TransportClosed, match="group is closed"):
+                g.barrier()
+            return "closed"
+        closed.wait(10)
+        with pytest.raises(TransportClosed, match="peer 0"):
+            g.allreduce(np.ones(3))
+        return "saw it"
+
+    assert ok(2, fn) == ["closed", "saw it"]
+    (t,) = create_world(1)
+    g = ProcessGroup(t)
+    with g:
+        g.barrier()
+    assert t.closed
+
+
+def test_collectives_through_the_group() -> None:
+    def fn(g: ProcessGroup) -> tuple:
+        b = g.broadcast(np.full(3, g.rank, np.int32), root=2)
+        gathered = g.allgather(np.array([g.rank, g.rank * g.rank]))
+        x = np.arange(10, dtype=np.float64) * (g.rank + 1)
+        mine = g.reduce_scatter(x, op="sum")
+        g.barrier()
+        return b.tolist(), gathered.tolist(), mine.tolist()
+
+    res = ok(3, fn)
+    full = (np.arange(10) * 6.0).tolist()
+    for r, (b, gathered, mine) in enumerate(res):
+        assert b == [2, 2, 2] and gathered == [[0, 0], [1, 1], [2, 4]]
+        assert mine == full[[0, 4, 7, 10][r]:[0, 4, 7, 10][r + 1]]
+
+
+@settings(max_examples=15, deadline=None)
+@given(n=st.integers(1, 6), shapes=st.lists(st.lists(st.integers(0, 4), min_size=0, max_size=3), max_size=4))
+def test_allreduce_many_property(n: int, shapes: list[list[int]]) -> None:
+    def fn(g: ProcessGroup) -> list:
+        arrays = [np.full(tuple(s), g.rank + 1.0, np.float32) for s in shapes]
+        return [a.copy() for a in g.allreduce_many(arrays, op="mean")]
+
+    for out in ok(n, fn):
+        assert [a.shape for a in out] == [tuple(s) for s in shapes]
+        assert all((a == (n + 1) / 2).all() for a in out)

@@ -1,0 +1,203 @@
+"""TCP-specific behaviour: bootstrap and handshake, socket options, raw-byte protocol faults, processes.
+
+The shared contract is in ``test_transport_conformance.py``; here a raw
+socket often plays the peer (``TcpTransport`` over one end of a socketpair),
+so protocol faults are produced byte for byte.
+"""
+
+from __future__ import annotations
+
+import socket
+import struct
+import threading
+import time
+
+import numpy as np
+import pytest
+
+from gradcoll.errors import CollectiveMismatch, CollectiveTimeout, TransportBroken, TransportClosed, UsageError
+from gradcoll.store import HashStore
+from gradcoll.testing import run_ranks, threaded_group
+from gradcoll.transport import _frame as fr
+from gradcoll.transport import tcp
+
+from _mp_helpers import spawn_ranks
+
+
+@pytest.fixture
+def pair():
+    group = threaded_group(tcp.create, 2, timeout=10)
+    yield group
+    for t in group:
+        t.close()
+
+
+@pytest.fixture
+def raw():
+    """A TcpTransport (rank 0) whose peer (rank 1) is a raw socket the test drives byte by byte."""
+    mine, theirs = socket.socketpair()
+    t = tcp.TcpTransport(0, 2, {1: mine}, timeout=10)
+    yield t, theirs
+    t.close()
+    theirs.close()
+
+
+# -- bootstrap ---------------------------------------------------------------
+class _StrangerStore(HashStore):
+    """Before rank 1 learns rank 0's address, strangers knock on the listener."""
+
+    def __init__(self) -> None:
+        super().__init__(timeout=10)
+        self.refused: list[bytes] = []
+
+    def get(self, key: str, timeout: float | None = None) -> bytes:
+        value = super().get(key, timeout)
+        if key == "gradcoll/tcp/0" and not self.refused:
+            host, port, token = value.decode().split()
+            wrong = [
+                b"GET / HTTP/1.1\r\nHost: x\r\n\r\n".ljust(fr.HELLO_SIZE, b" "),  # not gradcoll
+                fr.pack_hello(fr.HELLO, 1, 2, bytes(16)),  # wrong token
+                fr.pack_hello(fr.HELLO, 1, 3, bytes.fromhex(token)),  # wrong world size
+                b"",  # connects and hangs up
+            ]
+            for hello in wrong:
+                with socket.create_connection((host, int(port)), timeout=5) as s:
+                    s.sendall(hello)
+                    s.shutdown(socket.SHUT_WR)
+                    self.refused.append(s.recv(64))  # b"": the listener dropped us without an ACK
+        return value
+
+
+def test_handshake_refuses_strangers_and_still_connects() -> None:
+    store = _StrangerStore()
+    group = run_ranks([lambda r: tcp.create(store, r, 2, timeout=10)] * 2, [0, 1], timeout=20)
+    try:
+        assert store.refused == [b""] * 4
+        group[0].send(1, b"ok", timeout=5)
+        out = bytearray(2)
+        group[1].recv(0, out, timeout=5)
+        assert out == b"ok"
+    finally:
+        for t in group:
+            t.close()
+
+
+def test_binds_loopback_and_sets_socket_options(pair) -> None:
+    link = pair[0]._links[1]
+    assert link.sock.getsockname()[0] == "127.0.0.1"
+    assert link.sock.getsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY)
+    with open("/proc/sys/net/core/wmem_max") as f:
+        cap = int(f.read())
+    assert link.sock.getsockopt(socket.SOL_SOCKET, socket.SO_SNDBUF) >= min(tcp.SOCKBUF, cap)
+
+
+def test_bootstrap_times_out_naming_the_missing_peer() -> None:
+    start = time.monotonic()
+    with pytest.raises(CollectiveTimeout) as info:
+        tcp.create(HashStore(), 0, 2, timeout=0.5)
+    assert time.monotonic() - start < 1.5
+    assert info.value.missing == [1] and "rank 0" in str(info.value)
+    with pytest.raises(UsageError):
+        tcp.create(HashStore(), 2, 2)
+
+
+# -- protocol faults, byte by byte ------------------------------------------
+def test_frames_on_the_wire(raw) -> None:
+    t, peer = raw
+    t.send(1, b"abc", tag=7)
+    assert peer.recv(64) == fr.pack_header(0, 7, 3) + b"abc"
+    peer.sendall(fr.pack_header(0, 9, 4) + b"wxyz")
+    out = bytearray(4)
+    assert t.recv(1, out, tag=9) == 4 and out == b"wxyz"
+
+
+@pytest.mark.parametrize(
+    "wire, error, words",
+    [
+        (fr.pack_header(0, 0, 100) + b"x" * 10, TransportBroken, "middle of a message"),
+        (b"", TransportBroken, "without an orderly close"),
+        (struct.pack("<B3xIQQ", 9, 0, 0, 0), TransportBroken, "broke the protocol"),
+        (fr.pack_header(0, 0, 0, fr.CLOSE), TransportClosed, "closed the link"),
+        (fr.pack_header(0, fr.ABORT_TIMEOUT, 0, fr.ABORT), TransportBroken, "after a timeout on its side"),
+        (fr.pack_header(5, 0, 100), CollectiveMismatch, "expected seq 0 tag 0 (100 bytes), but peer 1 sent seq 5"),
+    ],
+)
+def test_peer_faults(raw, wire: bytes, error: type, words: str) -> None:
+    t, peer = raw
+    peer.sendall(wire)
+    peer.shutdown(socket.SHUT_WR)
+    with pytest.raises(error, match="rank 0") as info:
+        t.recv(1, bytearray(100), timeout=5)
+    assert words in str(info.value)
+    with pytest.raises((TransportBroken, TransportClosed)):  # the link stays unusable
+        t.recv(1, bytearray(1), timeout=5)
+
+
+def test_reset_by_peer_is_broken(raw) -> None:
+    t, peer = raw
+    peer.setsockopt(socket.SOL_SOCKET, socket.SO_LINGER, struct.pack("ii", 1, 0))
+    peer.close()  # RST
+    with pytest.raises(TransportBroken, match="peer 1"):
+        t.send(1, np.zeros(16 << 20, np.uint8), timeout=5)
+
+
+def test_mismatch_tells_the_sender(pair) -> None:
+    a, b = pair
+    a.send(1, b"1234", tag=1)
+    with pytest.raises(CollectiveMismatch):
+        b.recv(0, bytearray(4), tag=2)
+    with pytest.raises(TransportBroken, match="collective mismatch on its side"):
+        a.recv(1, bytearray(4), timeout=5)
+
+
+def test_unstarted_timeout_leaves_link_usable(pair) -> None:
+    a, b = pair
+    with pytest.raises(CollectiveTimeout):
+        a.recv(1, bytearray(3), timeout=0.1)
+    b.send(0, b"abc")
+    out = bytearray(3)
+    assert a.recv(1, out, timeout=5) == 3 and out == b"abc"
+
+
+def test_isend_progresses_while_waiting_for_a_recv(pair) -> None:
+    """Both ranks isend 32 MiB, then recv: waiting on the recv must push the send."""
+    n = 32 << 20
+
+    def rank(t):
+        req = t.isend(1 - t.rank, np.full(n, t.rank, np.uint8))
+        out = np.empty(n, np.uint8)
+        t.recv(1 - t.rank, out, timeout=20)
+        req.wait(20)
+        return bool((out == 1 - t.rank).all())
+
+    assert run_ranks([rank] * 2, pair, timeout=30) == [True, True]
+
+
+def test_close_flushes_queued_sends(pair) -> None:
+    a, b = pair
+    n = 16 << 20
+    got: list = []
+    reader = threading.Thread(target=lambda: got.append(b.recv(0, np.empty(n, np.uint8), timeout=10)))
+    reader.start()
+    a.isend(1, np.ones(n, np.uint8))  # cannot finish inline: the socket buffers are smaller
+    a.close()
+    reader.join(10)
+    assert got == [n]
+    with pytest.raises(TransportClosed):
+        b.recv(0, bytearray(1), timeout=5)
+
+
+# -- real processes ------------------------------------------------------------
+def _exchange_64mib(store, rank, size):
+    t = tcp.create(store, rank, size, timeout=20)
+    try:
+        n, other = 64 << 20, 1 - rank
+        out = np.empty(n, np.uint8)
+        t.sendrecv(other, np.full(n, rank + 1, np.uint8), other, out, timeout=30)
+        return int(out.min()), int(out.max())
+    finally:
+        t.close()
+
+
+def test_processes_exchange_64mib_at_once() -> None:
+    assert spawn_ranks(_exchange_64mib, 2, timeout=60) == [(2, 2), (1, 1)]
