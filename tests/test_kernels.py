@@ -333,3 +333,19 @@ assert r.tolist() == [2.0] * 5
 print(names)
 """
     assert "numba" in _run(code, {"NUMBA_ENABLE_CUDASIM": "1"})
+
+
+@pytest.mark.gpu
+def test_real_gpu_matches_reference():
+    """On a real GPU (GRADCOLL_TEST_REAL_GPU=1): bits and NaN location match the reference."""
+    from numba import cuda
+
+    rng = np.random.default_rng(21)
+    for n, m in ((2, 1), (4, 100_003), (8, 1 << 20)):
+        x = rng.standard_normal((n, m)).astype(np.float32)
+        got = K.mean_reduce(cuda.to_device(x)).copy_to_host()
+        assert got.tobytes() == oracle(list(x), np.float32).tobytes()
+        x[n - 1, m // 2] = np.nan
+        with pytest.raises(gradcoll.NonFiniteError) as ei:
+            K.mean_reduce(cuda.to_device(x))
+        assert (ei.value.contributor, ei.value.index) == (n - 1, m // 2)
