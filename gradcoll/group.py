@@ -21,7 +21,7 @@ unknown op) raises :class:`~gradcoll.errors.UsageError` and does not.
 :func:`gradcoll.algorithms.select_allreduce` (thresholds measured on the
 2-core development machine over inproc and tcp, see
 docs/algorithms/collectives.md): recursive doubling on 2 ranks; the ring
-from ``RING_BYTES`` (8 MiB) up; below that the star on up to
+from ``RING_BYTES`` (4 MiB) up; below that the star on up to
 ``STAR_MAX_RANKS`` (8) ranks, recursive doubling (up to ``SMALL_BYTES``,
 64 KiB) or the ring on more.
 """

@@ -125,13 +125,15 @@ def init_process_group(
     timeout: float = 300.0,
     *,
     store: Store | None = None,
+    kernel_backend: str | None = None,
     **transport_options: Any,
 ) -> ProcessGroup:
     """Join a group of ``world_size`` ranks over transport ``backend`` and return its ProcessGroup.
 
     ``init_method`` says where to meet (ignored when a ready ``store`` is
     passed, which the caller then owns and closes). Rank 0 hosts the
-    TCPStore. ``transport_options`` go to ``gradcoll.transport.<backend>.create``.
+    TCPStore. ``transport_options`` go to ``gradcoll.transport.<backend>.create``;
+    ``kernel_backend`` to the ProcessGroup.
     Raises BackendUnavailable if that module is missing, UsageError for a
     missing rank/size or a bad init_method, CollectiveTimeout if the others
     do not show up within ``timeout`` seconds.
@@ -162,7 +164,7 @@ def init_process_group(
     finally:
         if owned:
             store.close()  # the TCPStore master lingers until the other ranks have disconnected
-    return ProcessGroup(transport, timeout=timeout)
+    return ProcessGroup(transport, timeout=timeout, kernel_backend=kernel_backend)
 
 
 def _meet(store: Store, rank: int, size: int, timeout: float) -> None:

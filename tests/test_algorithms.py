@@ -182,7 +182,7 @@ def test_usage_errors_before_any_communication() -> None:
 def test_auto_selection_by_size_and_world() -> None:
     assert select_allreduce(64 << 20, 2) == "recursive_doubling"
     assert select_allreduce(64, 8) == "star"
-    assert select_allreduce(64 << 20, 8) == "ring"
+    assert select_allreduce(4 << 20, 8) == "ring" and select_allreduce((4 << 20) - 1, 8) == "star"
     assert select_allreduce(64, 32) == "recursive_doubling"
     assert select_allreduce(1 << 20, 32) == "ring"
     assert select_allreduce(64, 1) in ALLREDUCE
@@ -200,6 +200,16 @@ def test_planted_nan_halts_every_rank_naming_the_culprit(algo: str, n: int, culp
         assert isinstance(e, NonFiniteError), (r, e)
         assert (e.contributor, e.index, e.seq, e.rank) == (culprit, 37, 7, r)
         assert f"rank {culprit} contributed nan at element 37" in str(e)
+
+
+@pytest.mark.parametrize("algo", ALGOS)
+@pytest.mark.parametrize("op", ["mean", "max"])
+def test_several_bad_ranks_name_the_lowest(algo: str, op: str) -> None:
+    bufs = [np.ones(64, np.float32) for _ in range(5)]
+    bufs[3][2] = np.nan
+    bufs[1][50] = -np.inf
+    for e in allreduce(algo, bufs, op):
+        assert isinstance(e, NonFiniteError) and (e.contributor, e.index, e.value) == (1, 50, -np.inf)
 
 
 @pytest.mark.parametrize("algo", ALGOS)

@@ -121,7 +121,8 @@ def test_missing_rank_times_out() -> None:
 
 
 def _tcp_rank(rank: int, port: int, q: Any) -> None:
-    g = init_process_group("tcp", f"tcp://127.0.0.1:{port}", rank=rank, world_size=2, timeout=30)
+    g = init_process_group("tcp", f"tcp://127.0.0.1:{port}", rank=rank, world_size=2, timeout=30,
+                           kernel_backend="cython")
     with g:
         small = g.allreduce(np.full(100, rank + 1.0, np.float32))
         big = g.allreduce(np.full(1 << 17, float(rank), np.float32), op="sum", algorithm="ring")

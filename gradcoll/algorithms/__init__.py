@@ -51,7 +51,7 @@ ALLREDUCE: dict[str, Callable[..., object]] = {
 }
 
 #: From this many bytes on "auto" uses the ring on 3+ ranks.
-RING_BYTES = 8 << 20
+RING_BYTES = 4 << 20
 #: Up to this many ranks "auto" sends buffers below RING_BYTES through the star.
 STAR_MAX_RANKS = 8
 #: Beyond STAR_MAX_RANKS, up to this many bytes "auto" uses recursive doubling.
@@ -64,8 +64,8 @@ def select_allreduce(nbytes: int, size: int) -> str:
     Measured on the 2-core development machine (docs/algorithms/collectives.md,
     "Choosing an algorithm"): on 2 ranks recursive doubling is one exchange
     and was fastest or tied at every size over tcp; on 3-8 ranks the star
-    won below 8 MiB (fewest sequential steps, which dominate when ranks
-    share few cores) and the ring caught up at 16 MiB. Beyond 8 ranks (not
+    won up to 1 MiB (fewest sequential steps, which dominate when ranks
+    share few cores) and the ring tied or won from 4 MiB. Beyond 8 ranks (not
     measurable here) the star's root becomes the bottleneck, so small
     buffers go to recursive doubling (log2 n rounds) and the rest to the ring.
     """

@@ -156,7 +156,8 @@ class Coll:
     def translate(self, exc: BaseException, peer: int) -> BaseException:
         """The exception to raise for transport error ``exc`` on the link to ``peer``."""
         if isinstance(exc, CollectiveTimeout):
-            return self.timeout_error([peer], f"peer {peer} did not arrive")
+            detail = f"peer {peer} stopped responding" if self.steps else f"peer {peer} did not arrive"
+            return self.timeout_error([peer], detail)
         if isinstance(exc, TransportClosed):
             if self.t.closed:
                 msg = f"rank {self.rank}: this rank's transport was closed during {self.where()}"

@@ -191,14 +191,18 @@ def send_table(coll: Coll, table: list[Record]) -> None:
             pass
 
 
-def recv_table(coll: Coll) -> list[Record]:
-    """Non-root: wait for rank 0's table (timeout plus a grace period)."""
+def recv_table(coll: Coll, phases: int = 1) -> list[Record]:
+    """Non-root: wait for rank 0's table (timeout plus a grace period).
+
+    ``phases`` counts rank 0's timed phases before it sends the table (2 for
+    the star, whose root receives the data first).
+    """
     n = coll.size
     buf = bytearray(RECORD_SIZE * (n + 1))
-    grace = min(5.0, 0.5 * coll.timeout)
+    extra = min(5.0, 0.5 * coll.timeout) + (phases - 1) * coll.timeout
     remaining = coll.deadline.remaining()
     try:
-        coll.t.irecv(ROOT, buf, TAG_DOWN).wait(None if remaining is None else remaining + grace)
+        coll.t.irecv(ROOT, buf, TAG_DOWN).wait(None if remaining is None else remaining + extra)
     except CollectiveTimeout as exc:
         raise coll.timeout_error([ROOT], "rank 0 did not arrive (it coordinates every collective)") from exc
     except (TransportClosed, TransportBroken, CollectiveMismatch) as exc:

@@ -33,8 +33,8 @@ from ._handshake import handshake, local_status, make_record
 
 __all__ = ["ring_allreduce", "ring_pass", "SEGMENT_BYTES"]
 
-#: Default pipeline segment (bytes): small enough to overlap, large enough to amortise per-message cost.
-SEGMENT_BYTES = 1 << 18
+#: Default pipeline segment (bytes); 1 MiB measured best over tcp for 1-4 MiB buffers on 4 ranks.
+SEGMENT_BYTES = 1 << 20
 
 _PHASE = 1
 

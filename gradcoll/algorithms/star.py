@@ -76,7 +76,7 @@ def star_allreduce(
         up = coll.isend(ROOT, flat, data_tag(seq, _UP))
         # Wait for the verdict before the send completes: rank 0 does not read
         # the rows of a collective it rejects.
-        verdict(coll, recv_table(coll))
+        verdict(coll, recv_table(coll, phases=2))
         coll.begin(2)
         coll.step = 1
         coll.wait(up, ROOT)
@@ -122,24 +122,25 @@ def _root(coll: Coll, flat: np.ndarray, op: str, check: bool, rec: Record, ws: W
 
 def _reduce_rows(rows: np.ndarray, flat: np.ndarray, op: str, check: bool, coll: Coll, table: list[Record],
                  backend: str | None) -> None:
-    """Reduce ``rows`` into ``flat``; on NaN/Inf record the culprit in the table's result slot."""
+    """Reduce ``rows`` into ``flat``; on NaN/Inf put the lowest bad rank (or the overflow) in the result slot."""
     n = coll.size
-    try:
-        if op in ("mean", "sum"):
+    overflow: NonFiniteError | None = None
+    if op in ("mean", "sum"):
+        try:
             kernels.mean_reduce(rows, out=flat, op=op, check_finite=check, backend=backend)
-        else:
-            if check:
-                for p in range(n):
-                    try:
-                        kernels.check_finite(rows[p], backend=backend)
-                    except NonFiniteError as exc:
-                        exc.contributor = p
-                        raise
-            (np.maximum if op == "max" else np.minimum).reduce(rows, axis=0, out=flat)
-    except NonFiniteError as exc:
-        table[n] = table[n]._replace(
-            status=NONFINITE,
-            peer=-1 if exc.contributor is None else int(exc.contributor),
-            index=-1 if exc.index is None else int(exc.index),
-            value=float("nan") if exc.value is None else float(exc.value),
-        )
+            return
+        except NonFiniteError as exc:
+            overflow = exc
+    elif not check or all(local_status(rows[p], True, backend) is None for p in range(n)):
+        # max/min can hide a NaN/Inf (max(-inf, 1) is 1), hence the row checks first.
+        (np.maximum if op == "max" else np.minimum).reduce(rows, axis=0, out=flat)
+        return
+    # Error path only: name the lowest rank whose input is bad, as the other algorithms do.
+    for p in range(n):
+        status = local_status(rows[p], True, backend)
+        if status is not None:
+            table[n] = table[n]._replace(status=NONFINITE, peer=p, index=status[1], value=status[2])
+            return
+    index = -1 if overflow is None or overflow.index is None else int(overflow.index)
+    value = float("inf") if overflow is None or overflow.value is None else float(overflow.value)
+    table[n] = table[n]._replace(status=NONFINITE, peer=-1, index=index, value=value)
