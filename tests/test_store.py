@@ -137,6 +137,7 @@ def test_add_to_non_integer_is_an_error(master: TCPStore) -> None:
 
 def test_master_close_waits_for_clients_to_disconnect(master: TCPStore) -> None:
     c = client(master)
+    assert c.add("x", 0) == 0  # accepted by the server, not just queued in the backlog
     closer = threading.Thread(target=master.close)  # lingers while c is connected
     closer.start()
     assert c.add("x", 1) == 1 and c.get("x") == b"1"  # still served
