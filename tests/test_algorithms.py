@@ -6,6 +6,7 @@ integer-valued data, bit-exact) sum in rank order, divided by n for mean.
 
 from __future__ import annotations
 
+import re
 import threading
 from typing import Any, Callable
 
@@ -140,8 +141,9 @@ def test_star_sums_in_rank_order_bitwise() -> None:
 
 @pytest.mark.parametrize("dtype", [np.float16, np.float64])
 def test_allreduce_other_float_dtypes(dtype: Any) -> None:
-    # The compiled check_finite misreads float16 buffers (reported to the
-    # kernels owner), so float16 pins the NumPy kernels through backend=.
+    # The compiled check_finite misreads float16 buffers (it sometimes sees a
+    # NaN that is not there; reported to the kernels owner), so float16 pins
+    # the NumPy kernels through backend=.
     backend = "numpy" if dtype == np.float16 else None
     n = 3
     data = [np.arange(50, dtype=dtype) * (r + 1) for r in range(n)]
@@ -297,6 +299,28 @@ def test_closed_peer_is_named(closer: int) -> None:
         if r != closer:
             assert isinstance(e, TransportClosed), errors
             assert f"peer {closer}" in str(e)
+
+
+def test_peer_closing_mid_ring_is_named_with_step_and_seq() -> None:
+    def fn(r: int, t: Any) -> Any:
+        if r == 2:  # close this rank's links after its fourth send
+            orig, sent = t.isend, [0]
+
+            def isend(peer: int, buf: Any, tag: int = 0) -> Any:
+                sent[0] += 1
+                if sent[0] == 4:
+                    t.close()
+                return orig(peer, buf, tag)
+
+            t.isend = isend
+        return ALLREDUCE["ring"](t, np.ones(1000, np.float32), seq=118, segment_bytes=400, timeout=5)
+
+    _, errors = run_ranks(3, fn)
+    assert all(isinstance(e, TransportClosed) for e in errors), errors
+    for r in (0, 1):
+        assert re.fullmatch(rf"rank {r}: peer 2 closed the link during ring allreduce step [1-4]/4 \(seq 118\)",
+                            str(errors[r])), errors[r]
+    assert "this rank's transport was closed" in str(errors[2])
 
 
 # -- broadcast, allgather, reduce_scatter, barrier ----------------------------

@@ -31,7 +31,7 @@ rank 0 itself.
 from __future__ import annotations
 
 import struct
-from typing import NamedTuple
+from typing import Any, NamedTuple
 
 import numpy as np
 
@@ -46,8 +46,26 @@ from ..errors import (
 )
 from ._common import Coll
 
-__all__ = ["Record", "ROOT", "make_record", "local_status", "handshake", "send_record", "gather_records",
-           "send_table", "recv_table", "verdict", "raise_nonfinite", "OK", "NONFINITE", "TIMEOUT", "CLOSED", "BROKEN", "PROTOCOL"]
+__all__ = [
+    "Record",
+    "ROOT",
+    "make_record",
+    "local_status",
+    "handshake",
+    "send_record",
+    "gather_records",
+    "send_table",
+    "recv_table",
+    "receive_all",
+    "verdict",
+    "raise_nonfinite",
+    "OK",
+    "NONFINITE",
+    "TIMEOUT",
+    "CLOSED",
+    "BROKEN",
+    "PROTOCOL",
+]
 
 ROOT = 0
 TAG_UP = 0x7F000001
@@ -59,8 +77,8 @@ OP_CODES = ("-", "mean", "sum", "max", "min")
 
 OK, NONFINITE, TIMEOUT, CLOSED, BROKEN, PROTOCOL = range(6)
 
-# present, kind, algo, op, dtype char, itemsize, root, count, seq, status, peer, index, value
-_REC = struct.Struct("<BBBBBxHiqqB7xqqd")
+# present, kind, algo, op, dtype char, itemsize, root, count, seq, status, peer, index, value (64 bytes)
+_REC = struct.Struct("<BBBBBxHiqqB7xqqd4x")
 RECORD_SIZE = _REC.size
 
 
@@ -86,12 +104,16 @@ class Record(NamedTuple):
         return self[:8]
 
     def describe(self) -> str:
-        """``allreduce(op=mean, float32, count=10, algorithm=ring, seq 5)``."""
+        """``allreduce(op=mean, float32, count=10, algorithm=ring) at seq 5``."""
         parts = []
         if self.op:
             parts.append(f"op={OP_CODES[self.op]}")
-        parts.append(f"{np.dtype(chr(self.dtype)).name}" if self.dtype else "no dtype")
-        parts.append(f"count={self.count}")
+        if self.dtype:
+            try:
+                parts.append(np.dtype(chr(self.dtype)).name)
+            except TypeError:
+                parts.append(f"dtype code {self.dtype}")
+            parts.append(f"count={self.count}")
         if self.algo:
             parts.append(f"algorithm={ALGOS[self.algo]}")
         if self.root >= 0:
@@ -131,7 +153,8 @@ def _unpack(buf: bytes | bytearray, n: int) -> list[Record]:
     recs = []
     for i in range(n):
         present, *fields = _REC.unpack_from(buf, i * RECORD_SIZE)
-        if present > 1 or not 0 <= fields[0] < len(KINDS) or not 0 <= fields[1] < len(ALGOS):
+        kind, algo, op = fields[:3]
+        if present > 1 or kind >= len(KINDS) or algo >= len(ALGOS) or op >= len(OP_CODES):
             raise ProtocolError(f"malformed handshake record {i}")
         recs.append(Record(*fields, present=present))
     return recs
@@ -146,32 +169,45 @@ def send_record(coll: Coll, rec: Record) -> None:
     coll.wait(coll.isend(ROOT, _pack([rec]), TAG_UP), ROOT)
 
 
-def gather_records(coll: Coll, own: Record) -> list[Record]:
-    """Rank 0: collect every record until the deadline; returns the table (n slots + result slot)."""
-    n = coll.size
-    table = [own] + [_absent(TIMEOUT)] * (n - 1) + [Record(0, 0, 0, 0, 0, -1, 0, 0)]
-    bufs = {p: bytearray(RECORD_SIZE) for p in range(1, n)}
+_FAILURES = ((CollectiveTimeout, TIMEOUT), (TransportClosed, CLOSED), (TransportBroken, BROKEN),
+             (CollectiveMismatch, PROTOCOL), (ProtocolError, PROTOCOL))
+_LINK_ERRORS = tuple(cls for cls, _ in _FAILURES)
+
+
+def receive_all(coll: Coll, bufs: dict[int, Any], tag: int) -> dict[int, int]:
+    """Receive one message from each peer ``p`` into ``bufs[p]`` until the deadline.
+
+    Returns ``{peer: status}`` for the peers that failed (TIMEOUT, CLOSED,
+    BROKEN, PROTOCOL); failures are recorded, never raised, because rank 0
+    must still send its verdict to everyone else.
+    """
+    failed: dict[int, int] = {}
     reqs = {}
-    for p in range(1, n):
+    for p, buf in bufs.items():
         try:
-            reqs[p] = coll.t.irecv(p, bufs[p], TAG_UP)
-        except TransportClosed:
-            table[p] = _absent(CLOSED)
-        except TransportBroken:
-            table[p] = _absent(BROKEN)
+            reqs[p] = coll.t.irecv(p, buf, tag)
+        except _LINK_ERRORS as exc:
+            failed[p] = next(code for cls, code in _FAILURES if isinstance(exc, cls))
     for p, req in reqs.items():
         try:
             req.wait(coll.deadline.remaining())
-            table[p] = _unpack(bufs[p], 1)[0]
-        except CollectiveTimeout:
-            table[p] = _absent(TIMEOUT)
-        except TransportClosed:
-            table[p] = _absent(CLOSED)
-        except TransportBroken:
-            table[p] = _absent(BROKEN)
-        except (CollectiveMismatch, ProtocolError):
-            table[p] = _absent(PROTOCOL)
-    return table
+        except _LINK_ERRORS as exc:
+            failed[p] = next(code for cls, code in _FAILURES if isinstance(exc, cls))
+    return failed
+
+
+def gather_records(coll: Coll, own: Record) -> list[Record]:
+    """Rank 0: collect every record until the deadline; returns the table (n slots + result slot)."""
+    n = coll.size
+    bufs = {p: bytearray(RECORD_SIZE) for p in range(1, n)}
+    failed = receive_all(coll, bufs, TAG_UP)
+    table = [own]
+    for p in range(1, n):
+        try:
+            table.append(_absent(failed[p]) if p in failed else _unpack(bufs[p], 1)[0])
+        except ProtocolError:
+            table.append(_absent(PROTOCOL))
+    return table + [Record(0, 0, 0, 0, 0, -1, 0, 0)]
 
 
 def send_table(coll: Coll, table: list[Record]) -> None:

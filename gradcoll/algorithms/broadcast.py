@@ -45,6 +45,7 @@ def broadcast(
         coll.recv((v - low + root) % n, flat, tag)
     else:
         low = 1 << (n - 1).bit_length()
+        coll.step = 1
     sends: list[tuple[int, Request]] = []
     m = low >> 1
     while m:

@@ -130,6 +130,7 @@ def ring_pass(coll: Coll, flat: np.ndarray, op: str, *, allgather: bool, shift: 
         reqs[u] = coll.irecv(left, target, tag)
 
     coll.begin(total)
+    coll.step = 1
     for a, b in segs(base):
         sends[0].append(coll.isend(right, flat[a:b], tag))
     for u in range(min(2, len(units))):

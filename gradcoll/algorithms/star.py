@@ -23,21 +23,19 @@ from __future__ import annotations
 import numpy as np
 
 from .. import kernels
-from ..errors import CollectiveMismatch, CollectiveTimeout, NonFiniteError, TransportBroken, TransportClosed
+from ..errors import NonFiniteError
 from ..transport.base import Transport
 from ._common import Coll, Workspace, as_flat, check_op, data_tag, scratch
 from ._handshake import (
-    BROKEN,
-    CLOSED,
     NONFINITE,
-    PROTOCOL,
+    OK,
     ROOT,
-    TIMEOUT,
     Record,
     gather_records,
     handshake,
     local_status,
     make_record,
+    receive_all,
     recv_table,
     send_record,
     send_table,
@@ -89,27 +87,17 @@ def _root(coll: Coll, flat: np.ndarray, op: str, check: bool, rec: Record, ws: W
           backend: str | None) -> None:
     n = coll.size
     table = gather_records(coll, rec)
-    if any(s.status != 0 or s.desc() != rec.desc() for s in table[:n]):
+    if any(s.status != OK or s.desc() != rec.desc() for s in table[:n]):
         send_table(coll, table)
         verdict(coll, table)  # raises
     coll.begin(2)
     coll.step = 1
     rows = scratch(ws, "star", (n, flat.size), flat.dtype)
     np.copyto(rows[0], flat)
-    tag = data_tag(coll.seq, _UP)
-    reqs = {p: coll.irecv(p, rows[p], tag) for p in range(1, n)}
-    for p, req in reqs.items():
-        try:
-            req.wait(coll.deadline.remaining())
-        except CollectiveTimeout:
-            table[p] = table[p]._replace(status=TIMEOUT)
-        except TransportClosed:
-            table[p] = table[p]._replace(status=CLOSED)
-        except TransportBroken:
-            table[p] = table[p]._replace(status=BROKEN)
-        except CollectiveMismatch:
-            table[p] = table[p]._replace(status=PROTOCOL)
-    if all(s.status == 0 for s in table[:n]):
+    failed = receive_all(coll, {p: rows[p] for p in range(1, n)}, data_tag(coll.seq, _UP))
+    for p, status in failed.items():
+        table[p] = table[p]._replace(status=status)
+    if all(s.status == OK for s in table[:n]):
         _reduce_rows(rows, flat, op, check, coll, table, backend)
     send_table(coll, table)
     coll.step = 2
