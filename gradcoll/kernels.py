@@ -234,7 +234,8 @@ def check_finite(buf: Any, *, backend: str | None = None) -> None:
         be.check_finite_device(buf)
         return
     a = _host_contig(buf, "buf").reshape(-1)
-    be = choose_backend(a.size, backend=backend)
+    # The compiled kernels take float32/float64 only; half buffers use the reference.
+    be = choose_backend(a.size, backend="numpy" if a.dtype == np.float16 else backend)
     if not be.is_all_finite(a):
         i = _first_bad(a)
         raise NonFiniteError(
@@ -250,7 +251,7 @@ def scale(buf: np.ndarray, factor: float, *, backend: str | None = None) -> np.n
         return buf
     a = _check_out(buf, np.shape(buf), "buf")
     flat = a.reshape(-1)
-    choose_backend(flat.size, backend=backend).scale(flat, factor)
+    choose_backend(flat.size, backend="numpy" if flat.dtype == np.float16 else backend).scale(flat, factor)
     return buf
 
 

@@ -349,3 +349,18 @@ def test_real_gpu_matches_reference():
         with pytest.raises(gradcoll.NonFiniteError) as ei:
             K.mean_reduce(cuda.to_device(x))
         assert (ei.value.contributor, ei.value.index) == (n - 1, m // 2)
+
+
+@pytest.mark.parametrize("backend", CPU + [None])
+def test_float16_check_finite_and_scale(backend):
+    for i in range(200):  # garbage after the buffer must never be read as float32
+        junk = [np.full(37 + i % 50, np.nan, np.float32) for _ in range(5)]
+        del junk
+        K.check_finite(np.arange(50, dtype=np.float16) * 3, backend=backend)
+    h = np.ones(70_000, dtype=np.float16)
+    h[-1] = np.inf
+    with pytest.raises(gradcoll.NonFiniteError) as ei:
+        K.check_finite(h, backend=backend)
+    assert ei.value.index == 69_999
+    s = np.ones(70_000, np.float16)
+    assert np.all(K.scale(s, 0.5, backend=backend) == np.float16(0.5))
