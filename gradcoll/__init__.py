@@ -34,6 +34,7 @@ from .optimizer import (
 
 from .group import ProcessGroup, Work
 from .rendezvous import init_process_group
+from .store import FileStore, HashStore, PrefixStore, Store, TCPStore
 
 __version__ = "0.1.0"
 
@@ -51,6 +52,11 @@ __all__ = [
     "GroupPoisoned",
     "BackendUnavailable",
     "init_process_group",
+    "Store",
+    "HashStore",
+    "PrefixStore",
+    "TCPStore",
+    "FileStore",
     "ProcessGroup",
     "Work",
     "DistributedOptimizer",

@@ -117,8 +117,15 @@ def _load_backend(backend: str) -> Any:
     return module
 
 
+def _default_kernels() -> str | None:
+    """'cython' when the compiled extension loads here, else None (automatic choice)."""
+    from .kernels import available_backends
+
+    return "cython" if "cython" in available_backends() else None
+
+
 def init_process_group(
-    backend: str = "tcp",
+    backend: str | None = None,
     init_method: str = "env://",
     rank: int | None = None,
     world_size: int | None = None,
@@ -134,10 +141,21 @@ def init_process_group(
     passed, which the caller then owns and closes). Rank 0 hosts the
     TCPStore. ``transport_options`` go to ``gradcoll.transport.<backend>.create``;
     ``kernel_backend`` to the ProcessGroup.
+
+    ``backend=None`` takes ``GRADCOLL_BACKEND`` (set by ``gradcoll launch``)
+    or ``"tcp"``. ``kernel_backend=None`` picks the single-threaded compiled
+    kernels when they are built: every rank is a process that already owns a
+    core, and threaded kernels in several ranks on one host fight for the
+    cores (measured 10-30x slower on 2 cores). Pass ``kernel_backend="numba"``
+    when one rank owns several cores.
     Raises BackendUnavailable if that module is missing, UsageError for a
     missing rank/size or a bad init_method, CollectiveTimeout if the others
     do not show up within ``timeout`` seconds.
     """
+    if backend is None:
+        backend = os.environ.get("GRADCOLL_BACKEND") or "tcp"
+    if kernel_backend is None:
+        kernel_backend = _default_kernels()
     env_rank, env_size, _ = env_rank_size()
     rank = env_rank if rank is None else rank
     world_size = env_size if world_size is None else world_size
