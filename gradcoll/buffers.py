@@ -1,0 +1,88 @@
+"""One place that turns user objects into buffers gradcoll can work on.
+
+Accepted, without copying: NumPy arrays, PyTorch CPU tensors, anything with
+``__array_interface__`` or the buffer protocol, and CPU DLPack producers.
+Device arrays (``__cuda_array_interface__``: numba device arrays, CuPy, torch
+CUDA tensors) are recognised as such and handed to the CUDA path. Everything
+else is a ``TypeError`` naming the object; a non-contiguous view is a
+``ValueError`` (gradcoll works in place and never copies silently into the
+wrong memory); so is a read-only buffer where the result must be written.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+import numpy as np
+
+from .errors import UsageError
+
+__all__ = ["Buffer", "as_buffer", "is_device_array"]
+
+
+@dataclass(frozen=True)
+class Buffer:
+    """A user object seen as an array: ``array`` shares the object's memory."""
+
+    array: Any  # np.ndarray for host buffers, a numba device array for device buffers
+    device: bool
+    source: str  # what the object was, for messages: "numpy", "torch", "dlpack", "cuda", "buffer"
+
+
+def _describe(obj: Any) -> str:
+    t = type(obj)
+    shape = getattr(obj, "shape", None)
+    return f"{t.__module__}.{t.__qualname__}" + (f" of shape {tuple(shape)}" if shape is not None else "")
+
+
+def is_device_array(obj: Any) -> bool:
+    """True for objects living in GPU memory (CUDA array interface or numba's simulator arrays)."""
+    if isinstance(obj, np.ndarray):
+        return False
+    if hasattr(obj, "__cuda_array_interface__") or hasattr(obj, "__cuda_ndarray__"):
+        return True
+    dev = getattr(obj, "device", None)
+    return getattr(dev, "type", None) == "cuda"
+
+
+def _torch_tensor(obj: Any) -> bool:
+    return type(obj).__module__.startswith("torch") and hasattr(obj, "numpy") and hasattr(obj, "is_contiguous")
+
+
+def as_buffer(obj: Any, *, writable: bool = True, what: str = "buf") -> Buffer:
+    """View ``obj`` as an array without copying; refuse what cannot be used in place."""
+    if is_device_array(obj):
+        from numba import cuda
+
+        arr = obj if hasattr(obj, "__cuda_ndarray__") else cuda.as_cuda_array(obj)
+        if not arr.is_c_contiguous():
+            raise UsageError(f"{what}: {_describe(obj)} is not C-contiguous; pass a contiguous device array")
+        return Buffer(arr, True, "cuda")
+    if isinstance(obj, np.ndarray):
+        arr, source = obj, "numpy"
+    elif _torch_tensor(obj):
+        if not obj.is_contiguous():
+            raise UsageError(f"{what}: {_describe(obj)} is not contiguous; call .contiguous() on it first")
+        arr, source = obj.detach().numpy(), "torch"
+    elif hasattr(obj, "__array_interface__") or hasattr(obj, "__array__") and not hasattr(obj, "__dlpack__"):
+        arr, source = np.asarray(obj), "array"
+    elif hasattr(obj, "__dlpack__"):
+        try:
+            arr, source = np.from_dlpack(obj), "dlpack"
+        except (TypeError, RuntimeError, BufferError) as exc:
+            raise TypeError(f"{what}: cannot read {_describe(obj)} through DLPack on the CPU: {exc}") from exc
+    else:
+        try:
+            memoryview(obj)
+        except TypeError:
+            raise TypeError(
+                f"{what}: unsupported object {_describe(obj)}; pass a NumPy array, a torch tensor, "
+                "a DLPack or CUDA-array-interface object, or a buffer"
+            ) from None
+        arr, source = np.frombuffer(obj, dtype=np.uint8) if not isinstance(obj, memoryview) else np.asarray(obj), "buffer"
+    if not arr.flags.c_contiguous:
+        raise UsageError(f"{what}: {_describe(obj)} is not C-contiguous; collectives work in place, so pass a contiguous buffer")
+    if writable and not arr.flags.writeable:
+        raise UsageError(f"{what}: {_describe(obj)} is read-only; collectives write the result into it")
+    return Buffer(arr, False, source)
