@@ -8,7 +8,7 @@ turns them into ratios against the anchors measured in the same run. Benchmarks 
 from __future__ import annotations
 
 import sys
-from typing import Callable
+from collections.abc import Callable
 
 import pytest
 

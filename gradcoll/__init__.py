@@ -16,7 +16,7 @@ from .errors import (
     TransportError,
     UsageError,
 )
-
+from .group import ProcessGroup, Work
 from .optimizer import (
     AggregatedGradient,
     AggregationStrategy,
@@ -31,8 +31,6 @@ from .optimizer import (
     WorkerNotFound,
     WorkerState,
 )
-
-from .group import ProcessGroup, Work
 from .rendezvous import init_process_group
 from .store import FileStore, HashStore, PrefixStore, Store, TCPStore
 

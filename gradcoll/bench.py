@@ -13,11 +13,12 @@ from __future__ import annotations
 
 import argparse
 import io
-import os
 import json
+import os
 import sys
 import time
-from typing import Any, Sequence
+from collections.abc import Sequence
+from typing import Any
 
 import numpy as np
 

@@ -14,8 +14,8 @@ import argparse
 import os
 import sys
 import time
+from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import Sequence
 
 import numpy as np
 

@@ -18,7 +18,8 @@ C-contiguous. float16 inputs are accumulated in float32.
 from __future__ import annotations
 
 import functools
-from typing import Any, Callable, Sequence
+from collections.abc import Callable, Sequence
+from typing import Any
 
 import numpy as np
 
@@ -41,7 +42,7 @@ _FLOATS = (np.dtype(np.float16), np.dtype(np.float32), np.dtype(np.float64))
 _OPS = {"mean": True, "sum": False}
 
 
-@functools.lru_cache(maxsize=None)
+@functools.cache
 def _fast_paths() -> tuple[Callable[..., Any], Callable[..., Any]] | None:
     """The compiled extension's validated fast paths, or None when it is not built."""
     try:

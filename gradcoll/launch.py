@@ -18,8 +18,9 @@ import subprocess
 import sys
 import threading
 import time
+from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import IO, Sequence
+from typing import IO
 
 __all__ = ["launch", "free_port", "LaunchResult", "main"]
 

@@ -25,8 +25,9 @@ from __future__ import annotations
 import importlib
 import os
 import re
+from collections.abc import Mapping
 from dataclasses import dataclass
-from typing import Any, Mapping
+from typing import Any
 from urllib.parse import urlsplit
 
 from .errors import BackendUnavailable, UsageError

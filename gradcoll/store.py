@@ -31,7 +31,7 @@ import socket
 import struct
 import threading
 import time
-from typing import Iterable, Iterator
+from collections.abc import Iterable, Iterator
 
 from .errors import CollectiveTimeout, GradcollError, ProtocolError, TransportBroken, UsageError
 
@@ -68,7 +68,7 @@ class Store(abc.ABC):
         for k in list(keys):
             self.get(k, timeout)
 
-    def close(self) -> None:
+    def close(self) -> None:  # noqa: B027 - optional hook, a no-op for stores that hold nothing
         """Release resources (sockets, server threads)."""
 
 
@@ -363,7 +363,7 @@ class TCPStore(Store):
                 self._sock.settimeout(self.timeout if timeout is None else timeout)
                 _send_frame(self._sock, payload)
                 r = _Reader(_recv_frame(self._sock, self.max_frame))
-            except socket.timeout as exc:
+            except TimeoutError as exc:
                 raise CollectiveTimeout(f"store: {what} got no answer from {self.host}:{self.port}",
                                         op="store") from exc
             except (OSError, ConnectionError) as exc:

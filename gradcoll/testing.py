@@ -19,9 +19,10 @@ import os
 import tempfile
 import threading
 import time
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from types import MappingProxyType
-from typing import Any, Callable, Mapping, Sequence
+from typing import Any
 
 import numpy as np
 
@@ -145,8 +146,8 @@ def _world_of_one(t: Transport, ctx: Ctx) -> None:
 @_check(2)
 def _invalid_peer(t: Transport, ctx: Ctx) -> None:
     for bad in (t.rank, -1, t.size, 1.5, "1", None):
-        _raises(UsageError, lambda: t.isend(bad, b"x"))  # type: ignore[arg-type]
-        _raises(UsageError, lambda: t.recv(bad, bytearray(1), timeout=1))  # type: ignore[arg-type]
+        _raises(UsageError, lambda bad=bad: t.isend(bad, b"x"))  # type: ignore[misc]
+        _raises(UsageError, lambda bad=bad: t.recv(bad, bytearray(1), timeout=1))  # type: ignore[misc]
 
 
 @_check(2)

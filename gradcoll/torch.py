@@ -23,8 +23,9 @@ one fusion copy that DDP makes too.
 
 from __future__ import annotations
 
+from collections.abc import Iterable
 from dataclasses import dataclass, field
-from typing import Any, Iterable
+from typing import Any
 
 import numpy as np
 
@@ -53,7 +54,7 @@ class _Bucket:
 
     def pack(self) -> None:
         """Copy every gradient (zeros where there is none) into the flat buffer."""
-        for (_, p), off in zip(self.params, self.offsets):
+        for (_, p), off in zip(self.params, self.offsets, strict=True):
             n = p.numel()
             dst = self.buf[off : off + n]
             if p.grad is None:
@@ -63,7 +64,7 @@ class _Bucket:
 
     def unpack(self) -> None:
         """Copy the averaged values back into every ``.grad`` (creating missing ones)."""
-        for (_, p), off in zip(self.params, self.offsets):
+        for (_, p), off in zip(self.params, self.offsets, strict=True):
             n = p.numel()
             src = torch.from_numpy(self.buf[off : off + n]).view(p.shape)
             if p.grad is None:
@@ -75,7 +76,7 @@ class _Bucket:
         """The parameter holding flat element ``index`` of the bucket."""
         if index is None:
             return "?"
-        for (name, p), off in zip(self.params, self.offsets):
+        for (name, p), off in zip(self.params, self.offsets, strict=True):
             if off <= index < off + p.numel():
                 return f"{name}[{index - off}]"
         return "?"

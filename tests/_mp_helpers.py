@@ -17,7 +17,8 @@ import shutil
 import subprocess
 import sys
 import tempfile
-from typing import Any, Callable
+from collections.abc import Callable
+from typing import Any
 
 MPI_HINT = "install Open MPI and mpi4py: pip install gradcoll[mpi]"
 

@@ -6,8 +6,9 @@ import importlib.util
 import multiprocessing
 import socket
 import threading
+from collections.abc import Callable
 from pathlib import Path
-from typing import Any, Callable
+from typing import Any
 
 import numpy as np
 import pytest

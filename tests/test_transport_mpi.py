@@ -10,11 +10,10 @@ from __future__ import annotations
 import sys
 
 import pytest
+from _mp_helpers import MPI_HINT, mpi_skip_reason, run_mpi
 
 from gradcoll.errors import BackendUnavailable
 from gradcoll.transport import mpi
-
-from _mp_helpers import MPI_HINT, mpi_skip_reason, run_mpi
 
 
 def test_missing_mpi4py_raises_backend_unavailable(monkeypatch) -> None:

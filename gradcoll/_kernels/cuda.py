@@ -15,7 +15,8 @@ host arrays given to this backend are copied in and out.
 from __future__ import annotations
 
 import math
-from typing import Any, Sequence
+from collections.abc import Sequence
+from typing import Any
 
 import numpy as np
 from numba import config, cuda, int32

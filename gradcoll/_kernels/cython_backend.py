@@ -7,7 +7,7 @@ the selector falls back to Numba or NumPy.
 
 from __future__ import annotations
 
-from typing import Sequence
+from collections.abc import Sequence
 
 import numpy as np
 

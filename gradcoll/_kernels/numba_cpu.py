@@ -17,7 +17,7 @@ kernel, the Cython kernels and the NumPy reference.
 
 from __future__ import annotations
 
-from typing import Sequence
+from collections.abc import Sequence
 
 import numpy as np
 from numba import njit, prange

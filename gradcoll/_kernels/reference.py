@@ -9,7 +9,7 @@ The exact culprit is located afterwards by :func:`locate_nonfinite`.
 
 from __future__ import annotations
 
-from typing import Sequence
+from collections.abc import Sequence
 
 import numpy as np
 

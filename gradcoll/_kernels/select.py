@@ -45,7 +45,7 @@ _MODULES = {
 }
 
 
-@functools.lru_cache(maxsize=None)
+@functools.cache
 def _load(name: str) -> ModuleType | BaseException:
     try:
         mod = importlib.import_module(_MODULES[name])

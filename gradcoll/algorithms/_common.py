@@ -14,6 +14,7 @@ from typing import Any
 import numpy as np
 
 from ..errors import CollectiveMismatch, CollectiveTimeout, TransportBroken, TransportClosed, UsageError
+from ..transport._frame import FrameMismatch
 from ..transport.base import Deadline, Request, Transport
 
 __all__ = [
@@ -115,7 +116,8 @@ def scratch(ws: Workspace | None, name: str, shape: int | tuple[int, ...], dtype
 class Coll:
     """One running collective on one rank: identity, progress, and error wording."""
 
-    __slots__ = ("t", "rank", "size", "name", "seq", "nbytes", "timeout", "deadline", "step", "steps")
+    __slots__ = ("t", "rank", "size", "name", "seq", "nbytes", "timeout", "deadline", "step", "steps",
+                 "tag0", "desc", "status", "pending")
 
     def __init__(self, transport: Transport, name: str, seq: int, nbytes: int, timeout: float | None) -> None:
         self.t = transport
@@ -128,6 +130,11 @@ class Coll:
         self.deadline = Deadline(self.timeout)
         self.step = 0
         self.steps = 0
+        # Set by _guard.begin for collectives that carry their descriptor in the tags:
+        self.tag0 = data_tag(seq, 0)  # phase tags are tag0 + phase
+        self.desc: Any = None  # the descriptor (handshake Record fields) for the error path
+        self.status: Any = None  # (NONFINITE, index, value) when the local input is bad
+        self.pending: dict[Request, int] | None = None  # receives not yet waited for -> peer
 
     def begin(self, steps: int) -> None:
         """Start the data phase: ``steps`` steps, with a fresh deadline."""
@@ -170,6 +177,8 @@ class Coll:
                 rank=self.rank,
                 peer=peer,
             )
+        if isinstance(exc, FrameMismatch):
+            return exc  # the error path reads the frame it carries
         if isinstance(exc, CollectiveMismatch):
             return CollectiveMismatch(f"rank {self.rank}: during {self.where()}: {exc}")
         return exc
@@ -183,18 +192,24 @@ class Coll:
             raise self.translate(exc, peer) from exc
 
     def irecv(self, peer: int, out: Any, tag: int) -> Request:
-        """Start a receive from ``peer``."""
+        """Start a receive from ``peer`` (remembered until waited for, for the error path)."""
         try:
-            return self.t.irecv(peer, out, tag)
+            req = self.t.irecv(peer, out, tag)
         except (CollectiveTimeout, TransportClosed, TransportBroken, CollectiveMismatch) as exc:
             raise self.translate(exc, peer) from exc
+        if self.pending is not None:
+            self.pending[req] = peer
+        return req
 
     def wait(self, req: Request, peer: int) -> int:
         """Wait for ``req`` until the deadline of the current phase."""
         try:
-            return req.wait(self.deadline.remaining())
+            n = req.wait(self.deadline.remaining())
         except (CollectiveTimeout, TransportClosed, TransportBroken, CollectiveMismatch) as exc:
             raise self.translate(exc, peer) from exc
+        if self.pending:
+            self.pending.pop(req, None)
+        return n
 
     def send(self, peer: int, buf: Any, tag: int) -> None:
         """Blocking send to ``peer``."""

@@ -7,7 +7,7 @@ checks the result for NaN/Inf in the same pass.
 
 from __future__ import annotations
 
-from typing import Sequence
+from collections.abc import Sequence
 
 import numpy as np
 
@@ -49,7 +49,7 @@ def _normalise(weights: Sequence[float], n: int) -> np.ndarray:
 def _weighted_sum(rows: list[np.ndarray], norm: np.ndarray, backend: str | None) -> np.ndarray:
     # Scaling each row before the sum keeps every partial sum within the range
     # of the inputs (the weights sum to 1), so a finite input cannot overflow.
-    scaled = [r * w for r, w in zip(rows, norm)]
+    scaled = [r * w for r, w in zip(rows, norm, strict=True)]
     return kernels.mean_reduce(scaled, op="sum", accumulate_dtype=np.float64, backend=backend)
 
 

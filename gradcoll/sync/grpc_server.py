@@ -25,7 +25,8 @@ import logging
 import os
 import signal
 import threading
-from typing import Any, AsyncIterator, Sequence
+from collections.abc import AsyncIterator, Sequence
+from typing import Any
 
 import grpc
 import grpc.aio

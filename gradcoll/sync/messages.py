@@ -15,8 +15,9 @@ import os
 import secrets
 import socket
 import zlib
+from collections.abc import AsyncIterator, Iterable, Mapping
 from dataclasses import dataclass, field
-from typing import Any, AsyncIterator, Iterable, Mapping
+from typing import Any
 
 import numpy as np
 

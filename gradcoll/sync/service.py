@@ -26,7 +26,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
-from typing import AsyncIterator, Callable, Mapping
+from collections.abc import AsyncIterator, Callable, Mapping
 
 from .. import kernels
 from ..errors import CollectiveTimeout, NonFiniteError, ProtocolError, UsageError

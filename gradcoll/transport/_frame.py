@@ -33,6 +33,7 @@ __all__ = [
     "DATA", "CLOSE", "ABORT", "ABORT_REASONS", "HEADER", "HEADER_SIZE", "MAX_TAG", "Header",
     "pack_header", "unpack_header", "check_tag", "check_header", "HELLO", "ACK", "HELLO_SIZE",
     "MAGIC", "VERSION", "Hello", "pack_hello", "unpack_hello", "Op", "Link", "FramedTransport",
+    "LENIENT_TAG", "FrameMismatch",
 ]
 
 DATA = 1
@@ -56,6 +57,12 @@ HEADER_SIZE = HEADER.size  # 24
 
 #: Largest user tag; fits an MPI tag on every implementation we know of.
 MAX_TAG = 2**31 - 2
+
+#: Tags from here up are *lenient*: when a receive posted with a lenient tag meets
+#: a frame with another lenient tag or length, the frame is consumed and the
+#: receive fails with :class:`FrameMismatch` carrying it; the link stays usable.
+#: Collectives use these so a mismatch or an alarm never costs the link.
+LENIENT_TAG = 1 << 30
 
 MAGIC = b"GCTP"
 VERSION = 1
@@ -117,6 +124,28 @@ def check_header(
     )
 
 
+class FrameMismatch(CollectiveMismatch):
+    """A lenient receive met another frame: it was consumed, the link is intact.
+
+    ``peer``, ``tag`` and ``payload`` describe the frame that arrived instead.
+    """
+
+    def __init__(self, message: str, *, peer: int, tag: int, payload: bytes) -> None:
+        super().__init__(message)
+        self.peer, self.tag, self.payload = peer, tag, payload
+
+
+def lenient_mismatch(rank: int, peer: int, seq: int, tag: int, length: int, got_tag: int, payload: bytes,
+                     transport: str) -> FrameMismatch:
+    """The FrameMismatch for a lenient receive (``tag``, ``length``) that got ``got_tag``/``payload``."""
+    return FrameMismatch(
+        f"rank {rank}: recv from peer {peer} expected seq {seq} tag {tag} ({length} bytes), but peer {peer} "
+        f"sent seq {seq} tag {got_tag} ({len(payload)} bytes) ({transport} transport; the ranks are running "
+        "different collectives)",
+        peer=peer, tag=got_tag, payload=payload,
+    )
+
+
 def pack_hello(kind: int, rank: int, size: int, token: bytes) -> bytes:
     """Encode a handshake record (``token`` is 16 bytes identifying the group)."""
     if len(token) != 16:
@@ -142,7 +171,7 @@ def unpack_hello(buf: bytes | bytearray | memoryview) -> Hello:
 class Op(Request):
     """One queued send or receive; ``off`` counts bytes moved, header included."""
 
-    __slots__ = ("_t", "link", "is_send", "view", "tag", "total", "off", "hdr", "seq", "done", "error")
+    __slots__ = ("_t", "link", "is_send", "view", "tag", "total", "off", "hdr", "seq", "done", "error", "stray")
 
     def __init__(self, t: "FramedTransport", link: "Link", is_send: bool, view: memoryview, tag: int) -> None:
         self._t, self.link, self.is_send, self.view, self.tag = t, link, is_send, view, tag
@@ -152,6 +181,7 @@ class Op(Request):
         self.seq = -1
         self.done = False
         self.error: BaseException | None = None
+        self.stray: Any = None  # (tag, expected length) once a lenient receive is redirected to a stray frame
 
     def describe(self, with_peer: bool = True) -> str:
         """E.g. ``recv from peer 2 (seq 7, tag 0, 4096 bytes)``."""
@@ -165,6 +195,10 @@ class Op(Request):
 
     def test(self) -> bool:
         return self._t._test(self)
+
+    def cancel(self) -> bool:
+        """Withdraw the operation if no byte of it has moved; True if it was withdrawn (or is done)."""
+        return self._t._abandon(self)
 
 
 def _all_done(ops: tuple[Op, ...]) -> bool:
@@ -201,6 +235,8 @@ class FramedTransport(Transport):
 
     #: Try to read at ``irecv`` time (cheap for memory rings, a wasted syscall for sockets).
     _eager_pull = False
+    #: Receives with tags >= LENIENT_TAG survive a mismatch (see FrameMismatch).
+    lenient_tags = True
 
     # -- hooks ---------------------------------------------------------
     def _push(self, link: Any) -> bool:  # pragma: no cover - abstract
@@ -352,6 +388,14 @@ class FramedTransport(Transport):
             why = ABORT_REASONS.get(got.tag, ABORT_REASONS[ABORT_ERROR])
             self._fail(link, TransportBroken, f"peer {link.peer} dropped the link after {why} on its side")
             return False
+        if (got.kind == DATA and got.seq == op.seq and got.tag >= LENIENT_TAG and op.tag >= LENIENT_TAG
+                and (got.tag != op.tag or got.length != op.total)):
+            # A lenient receive met another collective's frame (or an alarm): take
+            # the frame in whole, so the stream stays in step, and fail the op with
+            # it when it completes (see _finish_recv).
+            op.stray = (op.tag, op.total, op.view)
+            op.tag, op.total, op.view = got.tag, got.length, memoryview(bytearray(got.length))
+            return True
         try:
             check_header(got, seq=op.seq, tag=op.tag, length=op.total, rank=self.rank, peer=link.peer, transport=self.name)
         except CollectiveMismatch as e:
@@ -362,6 +406,14 @@ class FramedTransport(Transport):
             self._fail(link, TransportBroken, f"link dropped after a mismatch ({e})", e, ABORT_MISMATCH)
             return False
         return True
+
+    def _finish_recv(self, link: Link, op: Op) -> None:
+        """A receive has all its bytes (lock held; ``op`` already left the queue)."""
+        link.recv_seq += 1
+        op.done = True
+        if op.stray is not None:
+            tag, total, _ = op.stray
+            op.error = lenient_mismatch(self.rank, link.peer, op.seq, tag, total, op.tag, bytes(op.view), self.name)
 
     def _fail(self, link: Link, cls: type, reason: str, cause: BaseException | None = None, abort: int | None = None) -> None:
         """Make a link unusable: every pending and future op on it raises ``cls``."""
@@ -377,11 +429,12 @@ class FramedTransport(Transport):
         link.recvq.clear()
         self._busy.pop(link, None)
 
-    def _abandon(self, op: Op) -> None:
+    def _abandon(self, op: Op) -> bool:
         with self._mu:
             if not op.done and op.off == 0:
                 (op.link.sendq if op.is_send else op.link.recvq).remove(op)
                 op.done = True
+            return op.done
 
     def _expire(self, ops: tuple[Op, ...], timeout: float | None) -> None:
         """With the lock held after the deadline: cancel what is unfinished and raise."""

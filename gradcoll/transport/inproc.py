@@ -12,7 +12,9 @@ Matching is strictly in order per pair, like MPI with one communicator: the
 n-th receive posted for a pair gets the n-th message sent on it. The message
 header (per-pair sequence number, tag, length) is checked on delivery; a
 different tag or length fails that receive with
-:class:`~gradcoll.errors.CollectiveMismatch` naming both sides.
+:class:`~gradcoll.errors.CollectiveMismatch` naming both sides (a
+:class:`~gradcoll.transport._frame.FrameMismatch` carrying the message when
+both tags are lenient, as in the framed transports).
 
 ``close()`` on one rank makes every receive from it that cannot be served
 from messages it already sent, and every later send to it, raise
@@ -40,6 +42,7 @@ import numpy as np
 
 from ..errors import CollectiveMismatch, TransportClosed, UsageError
 from ..store import Store
+from ._frame import LENIENT_TAG, lenient_mismatch
 from .base import Deadline, Request, Transport, as_bytes_view, as_writable_view
 
 __all__ = ["InprocTransport", "InprocWorld", "create_world", "create"]
@@ -107,6 +110,14 @@ class _Recv(Request):
     def test(self) -> bool:
         return self._event.is_set()
 
+    def cancel(self) -> bool:
+        """Withdraw the receive unless a message already completed it; always True (nothing is half done)."""
+        with self._pair.lock:
+            if not self._event.is_set():
+                self._pair.posted.remove(self)
+                self._finish(None, 0)
+        return True
+
 
 class _Pair:
     """One direction src -> dst of a world: unmatched messages and unmatched receives."""
@@ -156,6 +167,8 @@ class InprocTransport(Transport):
     """One rank's endpoint in an :class:`InprocWorld`."""
 
     name = "inproc"
+    #: Receives with tags >= LENIENT_TAG report a mismatch with the message attached.
+    lenient_tags = True
 
     def __init__(self, world: InprocWorld, rank: int, timeout: float = 300.0) -> None:
         super().__init__(rank, world.size, timeout)
@@ -173,6 +186,10 @@ class InprocTransport(Transport):
         pair.recv_seq += 1
         n = len(data)
         if tag != req.tag or n != len(req.out) or seq != expect_seq:
+            if seq == expect_seq and tag >= LENIENT_TAG and req.tag >= LENIENT_TAG:
+                req._finish(lenient_mismatch(req._owner.rank, src, seq, req.tag, len(req.out), tag, bytes(data),
+                                             "inproc"))
+                return
             req._finish(
                 CollectiveMismatch(
                     f"rank {req._owner.rank}: recv from peer {src} expected seq {expect_seq} tag {req.tag} "

@@ -194,8 +194,8 @@ class ShmTransport(fr.FramedTransport):
             if op.off < _HDR + op.total:
                 break
             q.popleft()
-            link.recv_seq += 1
-            op.done = finished = True
+            self._finish_recv(link, op)
+            finished = True
         if tail != link.tail:
             ctl[link.t_in] = tail
             link.tail = tail

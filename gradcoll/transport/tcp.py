@@ -51,6 +51,35 @@ class _SockLink(fr.Link):
         super().__init__(peer)
         self.sock, self.fd = sock, sock.fileno()
         self.events = 0  # mask currently registered with poll
+        self.stash = b""  # bytes read past a stray frame (see _redirect), served before the socket
+
+
+def _redirect(link: _SockLink, op: fr.Op) -> None:
+    """Move the payload bytes a scatter read put in the old buffer to the stray frame's own.
+
+    Bytes beyond the stray frame belong to the frames after it: they go to
+    ``link.stash``, which the next reads consume before the socket.
+    """
+    old = op.stray[2]
+    got = op.off - _HDR
+    keep = min(got, op.total)
+    op.view[:keep] = old[:keep]
+    if got > keep:
+        link.stash = bytes(old[keep:got]) + link.stash
+    op.off = _HDR + keep
+
+
+def _read_stash(link: _SockLink, bufs: list[memoryview]) -> int:
+    """Fill ``bufs`` from ``link.stash`` first (as ``recvmsg_into`` would from the socket)."""
+    n = 0
+    for b in bufs:
+        k = min(len(b), len(link.stash) - n)
+        b[:k] = link.stash[n : n + k]
+        n += k
+        if k < len(b):
+            break
+    link.stash = link.stash[n:]
+    return n
 
 
 class TcpTransport(fr.FramedTransport):
@@ -142,9 +171,9 @@ class TcpTransport(fr.FramedTransport):
                     bufs = [memoryview(op.hdr)[op.off :]]
                     if op.total:
                         bufs.append(op.view)
-                    n = link.sock.recvmsg_into(bufs)[0]
                 else:
-                    n = link.sock.recv_into(op.view[op.off - _HDR :])
+                    bufs = [op.view[op.off - _HDR :]]
+                n = _read_stash(link, bufs) if link.stash else link.sock.recvmsg_into(bufs)[0]
             except (BlockingIOError, InterruptedError):
                 return finished
             except OSError as e:
@@ -163,11 +192,13 @@ class TcpTransport(fr.FramedTransport):
                     return True
                 if not self._accept_header(link, op, got):
                     return True
+                if op.stray is not None and op.off > _HDR:
+                    _redirect(link, op)
             if op.off < _HDR + op.total:
                 continue  # more may be readable already; EAGAIN ends the loop
             q.popleft()
-            link.recv_seq += 1
-            op.done = finished = True
+            self._finish_recv(link, op)
+            finished = True
         return finished
 
     def _send_failed(self, link: _SockLink, e: OSError) -> None:
