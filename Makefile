@@ -5,7 +5,7 @@ PY := $(VENV)/bin/python
 STAMP := $(VENV)/.gradcoll-installed
 SRC_DEPS := pyproject.toml setup.py gradcoll/_kernels/_cython_kernels.pyx
 
-.PHONY: test demo bench docs install clean
+.PHONY: test demo bench docs fuzz install clean
 
 $(PY):
 	$(PYTHON) -m venv $(VENV)
@@ -26,6 +26,9 @@ demo: $(STAMP)
 
 bench: $(STAMP)
 	$(PY) -m pytest benches/bench_kernels.py --benchmark-enable --benchmark-only -q
+
+fuzz: $(STAMP)
+	GRADCOLL_FUZZ_EXAMPLES=20000 $(PY) -m pytest -q tests/fuzz -p no:cacheprovider
 
 docs: $(STAMP)
 	NO_MKDOCS_2_WARNING=1 $(VENV)/bin/mkdocs build --strict -d site
