@@ -1,0 +1,229 @@
+"""Stages as data: ``OpSpec`` / ``StageSpec`` (JSON in, JSON out) and their execution.
+
+The coordinator ships a stage as JSON, for example::
+
+    {"stage_id": "mlp-1", "device": "auto", "dtype": "float32",
+     "ops": [{"op": "linear", "weight": "file:///w/l1.npy", "bias": "file:///w/b1.npy"},
+             {"op": "gelu"}, {"op": "scale", "factor": 0.5}]}
+
+Every op must be in the fixed registry of :mod:`gradcoll.node.ops`, with
+exactly the arguments it declares: parsing refuses anything else before a
+single weight is fetched. :func:`compile_stage` resolves the weight URIs
+through a :class:`~gradcoll.node.weights.WeightCache` and returns a
+:class:`Stage` you call on activations. The trainer binds the same ops to
+named parameters instead of URIs (:func:`bind`, :func:`forward`,
+:func:`backward`).
+"""
+
+from __future__ import annotations
+
+import json
+import math
+from collections.abc import Callable, Iterable, Mapping, Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+import numpy as np
+
+from ..errors import UsageError
+from .ops import OPS, OpDef
+from .weights import Resolver, weight_cache
+
+__all__ = ["OpSpec", "StageSpec", "Stage", "BoundOp", "compile_stage", "bind", "forward", "backward", "check_dtype",
+           "parse_ops"]
+
+_DTYPES = ("float16", "float32", "float64")
+
+
+def check_dtype(dtype: Any) -> str:
+    """The canonical name of a float activation dtype, or UsageError."""
+    name: str | None
+    try:
+        name = np.dtype(dtype).name
+    except TypeError:
+        name = None
+    if name is None or name not in _DTYPES:
+        raise UsageError(f"dtype must be one of {', '.join(_DTYPES)}, got {dtype!r}")
+    return name
+
+
+@dataclass(frozen=True)
+class OpSpec:
+    """One op of a stage: a registry name and its arguments (array references and numbers)."""
+
+    op: str
+    args: tuple[tuple[str, Any], ...] = ()
+
+    def __post_init__(self) -> None:
+        defn = OPS.get(self.op) if isinstance(self.op, str) else None
+        if defn is None:
+            raise UsageError(f"unknown op {self.op!r}; the registry has {', '.join(OPS)}")
+        args = dict(self.args)
+        if len(args) != len(self.args):
+            raise UsageError(f"op {self.op!r} names an argument twice")
+        unknown = set(args) - set(defn.arrays + defn.optional + defn.scalars)
+        missing = set(defn.arrays + defn.scalars) - set(args)
+        if unknown or missing:
+            raise UsageError(f"op {self.op!r} takes {_signature(defn)}; "
+                             + ", ".join(filter(None, (_which("unknown", unknown), _which("missing", missing)))))
+        for name, value in args.items():
+            if name in defn.scalars:
+                if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value):
+                    raise UsageError(f"op {self.op!r}: {name} must be a finite number, got {value!r}")
+            elif not isinstance(value, str) or not value:
+                raise UsageError(f"op {self.op!r}: {name} must be a non-empty string reference, got {value!r}")
+        object.__setattr__(self, "args", tuple(sorted(args.items())))
+
+    @classmethod
+    def of(cls, op: str, **args: Any) -> "OpSpec":
+        """``OpSpec.of("linear", weight=uri, bias=uri)``."""
+        return cls(op, tuple(args.items()))
+
+    @property
+    def kwargs(self) -> dict[str, Any]:
+        """The arguments as a dict."""
+        return dict(self.args)
+
+    def to_dict(self) -> dict[str, Any]:
+        """JSON-ready form: ``{"op": name, **args}``."""
+        return {"op": self.op, **self.kwargs}
+
+    @classmethod
+    def from_dict(cls, d: Any) -> "OpSpec":
+        """Parse the JSON form (strictly: unknown ops and arguments are refused)."""
+        if not isinstance(d, Mapping) or not isinstance(d.get("op"), str):
+            raise UsageError(f"an op must be an object with an \"op\" name, got {d!r}")
+        return cls(d["op"], tuple((k, v) for k, v in d.items() if k != "op"))
+
+
+def _signature(defn: OpDef) -> str:
+    parts = list(defn.arrays) + [f"[{a}]" for a in defn.optional] + [f"{s}=<number>" for s in defn.scalars]
+    return "(" + ", ".join(parts) + ")"
+
+
+def _which(what: str, names: set[str]) -> str:
+    return f"{what}: {', '.join(sorted(names))}" if names else ""
+
+
+def parse_ops(ops: Iterable[Any]) -> tuple[OpSpec, ...]:
+    """Ops from OpSpecs or their JSON dicts."""
+    if isinstance(ops, (str, bytes, Mapping)):
+        raise UsageError("ops must be a list of ops")
+    return tuple(o if isinstance(o, OpSpec) else OpSpec.from_dict(o) for o in ops)
+
+
+@dataclass(frozen=True)
+class StageSpec:
+    """A pipeline stage as data: ops from the registry, an optional id, a device and a dtype."""
+
+    ops: Sequence[OpSpec] = ()  # stored as a tuple
+    stage_id: str | None = None
+    device: str = "auto"
+    dtype: str = "float32"
+
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "ops", parse_ops(self.ops))
+        if self.stage_id is not None and (not isinstance(self.stage_id, str) or not self.stage_id):
+            raise UsageError(f"stage_id must be a non-empty string or None, got {self.stage_id!r}")
+        if not isinstance(self.device, str):
+            raise UsageError(f"device must be a string, got {self.device!r}")
+        object.__setattr__(self, "dtype", check_dtype(self.dtype))
+
+    def to_dict(self) -> dict[str, Any]:
+        """JSON-ready form."""
+        return {"stage_id": self.stage_id, "device": self.device, "dtype": self.dtype,
+                "ops": [o.to_dict() for o in self.ops]}
+
+    def to_json(self) -> str:
+        """The JSON text a coordinator ships."""
+        return json.dumps(self.to_dict())
+
+    @classmethod
+    def from_dict(cls, d: Any) -> "StageSpec":
+        """Parse the JSON form; unknown keys are refused."""
+        if not isinstance(d, Mapping):
+            raise UsageError(f"a stage spec must be a JSON object, got {type(d).__name__}")
+        extra = set(d) - {"stage_id", "device", "dtype", "ops"}
+        if extra:
+            raise UsageError(f"stage spec has unknown keys {sorted(extra)}")
+        return cls(ops=d.get("ops", ()), stage_id=d.get("stage_id"), device=d.get("device", "auto"),
+                   dtype=d.get("dtype", "float32"))
+
+    @classmethod
+    def from_json(cls, text: str | bytes) -> "StageSpec":
+        """Parse JSON text."""
+        try:
+            return cls.from_dict(json.loads(text))
+        except json.JSONDecodeError as exc:
+            raise UsageError(f"stage spec is not valid JSON: {exc}") from exc
+
+
+@dataclass(frozen=True)
+class BoundOp:
+    """An op with its array arguments resolved: ``args`` for the math, ``refs`` naming each array."""
+
+    defn: OpDef
+    args: dict[str, Any] = field(compare=False)
+    refs: dict[str, str] = field(compare=False)
+
+
+def bind(ops: Iterable[OpSpec], lookup: Callable[[str], Any], dtype: str) -> tuple[BoundOp, ...]:
+    """Resolve every array reference of ``ops`` with ``lookup`` and cast it to ``dtype``."""
+    out = []
+    for i, o in enumerate(ops):
+        defn = OPS[o.op]
+        args: dict[str, Any] = {}
+        refs: dict[str, str] = {}
+        for name, value in o.args:
+            if name in defn.scalars:
+                args[name] = float(value)
+                continue
+            try:
+                arr = lookup(value)
+            except UsageError as exc:
+                raise UsageError(f"op {i} ({o.op}): {exc}") from exc
+            args[name] = np.asarray(arr, dtype=dtype)
+            refs[name] = value
+        out.append(BoundOp(defn, args, refs))
+    return tuple(out)
+
+
+def forward(bound: Iterable[BoundOp], x: np.ndarray) -> tuple[np.ndarray, list[Any]]:
+    """Run the ops on ``x``; returns the output and what :func:`backward` needs."""
+    caches = []
+    for i, b in enumerate(bound):
+        try:
+            x, cache = b.defn.forward(x, b.args)
+        except UsageError as exc:
+            raise UsageError(f"op {i} ({b.defn.name}): {exc}") from exc
+        caches.append(cache)
+    return x, caches
+
+
+def backward(bound: tuple[BoundOp, ...], caches: list[Any], g: np.ndarray) -> dict[str, np.ndarray]:
+    """Gradients of every referenced array (summed over the batch and over ops that share it)."""
+    grads: dict[str, np.ndarray] = {}
+    for b, cache in zip(reversed(bound), reversed(caches), strict=True):
+        g, local = b.defn.backward(g, cache, b.args)
+        for name, grad in local.items():
+            ref = b.refs[name]
+            grads[ref] = grads[ref] + grad if ref in grads else grad
+    return grads
+
+
+class Stage:
+    """A compiled :class:`StageSpec`: call it on an activation (or a batch) to run the ops."""
+
+    def __init__(self, spec: StageSpec, resolve: Resolver | None = None) -> None:
+        self.spec = spec
+        self._bound = bind(spec.ops, weight_cache(resolve), spec.dtype)
+
+    def __call__(self, x: Any) -> np.ndarray:
+        """Run the stage on ``x`` (cast to the stage dtype); returns a new array."""
+        y, _ = forward(self._bound, np.asarray(x, dtype=self.spec.dtype))
+        return np.ascontiguousarray(y, dtype=self.spec.dtype)
+
+
+def compile_stage(spec: StageSpec, resolve: Resolver | None = None) -> Stage:
+    """Resolve ``spec``'s weights (through a cache) and return the runnable stage."""
+    return Stage(spec, resolve)
