@@ -16,6 +16,18 @@ from .errors import (
     TransportError,
     UsageError,
 )
+from .coordinator import (
+    AllReduceResult,
+    AveragedBlockResult,
+    AveragedNonBlockResult,
+    AveragedResult,
+    BlockAllReduceResult,
+    DistributedConfig,
+    GradientServer,
+    NonBlockAllReduceResult,
+    ShardAssignment,
+    WorkerClient,
+)
 from .group import ProcessGroup, Work
 from .optimizer import (
     AggregatedGradient,
@@ -57,6 +69,16 @@ __all__ = [
     "FileStore",
     "ProcessGroup",
     "Work",
+    "DistributedConfig",
+    "GradientServer",
+    "WorkerClient",
+    "ShardAssignment",
+    "AllReduceResult",
+    "BlockAllReduceResult",
+    "NonBlockAllReduceResult",
+    "AveragedResult",
+    "AveragedBlockResult",
+    "AveragedNonBlockResult",
     "DistributedOptimizer",
     "AggregationStrategy",
     "GradientUpdate",
