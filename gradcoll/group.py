@@ -19,18 +19,20 @@ unknown op) raises :class:`~gradcoll.errors.UsageError` and does not.
 
 ``algorithm="auto"`` picks by message size and world size with
 :func:`gradcoll.algorithms.select_allreduce` (thresholds measured on the
-2-core development machine over inproc and tcp, see
-docs/algorithms/collectives.md): recursive doubling on 2 ranks; the ring
-from ``RING_BYTES`` (4 MiB) up; below that the star on up to
-``STAR_MAX_RANKS`` (8) ranks, recursive doubling (up to ``SMALL_BYTES``,
-64 KiB) or the ring on more.
+2-core development machine over shm and tcp, see
+docs/algorithms/collectives.md): on 2 ranks recursive doubling below
+``PAIR_RING_BYTES`` (1 MiB) and the ring from there; on more the ring from
+``RING_BYTES`` (4 MiB) up; below that, on up to ``STAR_MAX_RANKS`` (8) ranks,
+recursive doubling for a power-of-two world and the star otherwise, and on
+more ranks recursive doubling (up to ``SMALL_BYTES``, 64 KiB) or the ring.
 """
 
 from __future__ import annotations
 
 import collections
 import threading
-from typing import Any, Callable, Sequence
+from collections.abc import Callable, Sequence
+from typing import Any
 
 import numpy as np
 
@@ -122,7 +124,7 @@ class ProcessGroup:
         self.segment_bytes = segment_bytes
         self._seq = 0
         self._lock = threading.Condition()
-        self._queue: collections.deque[tuple[Work, Callable[[int], Any]]] = collections.deque()
+        self._queue: collections.deque[tuple[Work, Callable[[], Any]]] = collections.deque()
         self._busy = False
         self._worker: threading.Thread | None = None
         self._closed = False
@@ -169,15 +171,19 @@ class ProcessGroup:
         if not inline:
             return work if async_op else work.wait()
         try:
-            return self._run(name, seq, job)
+            return self._call(name, seq, job)  # usability was checked under the lock above
         finally:
             with self._lock:
                 self._busy = False
-                self._lock.notify_all()
+                if self._worker is not None:  # the only thread that waits on the lock
+                    self._lock.notify_all()
 
     def _run(self, name: str, seq: int, job: Callable[[int], Any]) -> Any:
         with self._lock:
             self._raise_if_unusable()
+        return self._call(name, seq, job)
+
+    def _call(self, name: str, seq: int, job: Callable[[int], Any]) -> Any:
         try:
             return job(seq)
         except BaseException as exc:
@@ -248,12 +254,12 @@ class ProcessGroup:
             for k, (dt, members, total, algo) in enumerate(plans):
                 fused = self._ws.get("fusion", total, dt)
                 offsets = np.cumsum([0] + [a.size for a in members])
-                for a, lo, hi in zip(members, offsets[:-1], offsets[1:]):
+                for a, lo, hi in zip(members, offsets[:-1], offsets[1:], strict=True):
                     fused[lo:hi].reshape(a.shape)[...] = a
                 extra = {"segment_bytes": self.segment_bytes} if algo == "ring" else {}
                 ALLREDUCE[algo](self.transport, fused, op=op, check_finite=check_finite, seq=seq + k,
                                 timeout=limit, workspace=self._ws, backend=self.kernel_backend, **extra)
-                for a, lo, hi in zip(members, offsets[:-1], offsets[1:]):
+                for a, lo, hi in zip(members, offsets[:-1], offsets[1:], strict=True):
                     a[...] = fused[lo:hi].reshape(a.shape)
             return arrays
 

@@ -38,6 +38,7 @@ __all__ = [
     "NonFiniteError",
 ]
 
+_MAXSIZE = 1 << 62  # "no size limit" for the compiled fast path
 _FLOATS = (np.dtype(np.float16), np.dtype(np.float32), np.dtype(np.float64))
 _OPS = {"mean": True, "sum": False}
 
@@ -132,11 +133,12 @@ def mean_reduce(
     """
     if op not in _OPS:
         raise UsageError(f"op must be 'mean' or 'sum', got {op!r}")
-    if backend is None and accumulate_dtype is None and not env_override_set():
-        # Small plain arrays: validated and reduced in C in one call (~1 us).
+    if accumulate_dtype is None and (backend == "cython" or (backend is None and not env_override_set())):
+        # Plain arrays: validated and reduced in C in one call (~1 us); small ones
+        # only when choosing automatically, any size when cython was asked for.
         fast = _fast_paths()
         if fast is not None:
-            res = fast[0](inputs, out, op == "mean", check_finite, SMALL_ELEMS)
+            res = fast[0](inputs, out, op == "mean", check_finite, _MAXSIZE if backend else SMALL_ELEMS)
             if res is not None:
                 if res is not False:
                     return res
@@ -175,17 +177,18 @@ def accumulate(
     This is the step a ring allreduce runs on every received chunk. Raises
     :class:`NonFiniteError` (contributor 0 = ``acc``, 1 = ``x``) on NaN/Inf.
     """
-    if backend is None and not env_override_set():
+    if backend == "cython" or (backend is None and not env_override_set()):
         fast = _fast_paths()
         if fast is not None:
-            res = fast[1](acc, x, scale, divide_by, check_finite, SMALL_ELEMS)
+            res = fast[1](acc, x, scale, divide_by, check_finite, _MAXSIZE if backend else SMALL_ELEMS)
             if res is True:
                 return acc
             if res is False:
                 _explain_accumulate(np.asarray(acc).reshape(-1), np.asarray(x).reshape(-1))
     if _is_device(acc):
         be = choose_backend(0, device=True, backend=backend)
-        return be.accumulate_device(acc, x, scale=scale, divide_by=divide_by, check_finite=check_finite)
+        be.accumulate_device(acc, x, scale=scale, divide_by=divide_by, check_finite=check_finite)
+        return acc  # accumulate_device works in place and returns ``acc`` itself
     acc = _check_out(acc, np.shape(acc), "acc")
     xa = _host_contig(x, "x")
     if xa.shape != acc.shape and xa.size != acc.size:

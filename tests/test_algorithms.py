@@ -8,7 +8,8 @@ from __future__ import annotations
 
 import re
 import threading
-from typing import Any, Callable
+from collections.abc import Callable
+from typing import Any
 
 import numpy as np
 import pytest
@@ -182,9 +183,9 @@ def test_usage_errors_before_any_communication() -> None:
 
 
 def test_auto_selection_by_size_and_world() -> None:
-    assert select_allreduce(64 << 20, 2) == "recursive_doubling"
-    assert select_allreduce(64, 8) == "star"
-    assert select_allreduce(4 << 20, 8) == "ring" and select_allreduce((4 << 20) - 1, 8) == "star"
+    assert select_allreduce((1 << 20) - 1, 2) == "recursive_doubling" and select_allreduce(1 << 20, 2) == "ring"
+    assert select_allreduce(64, 6) == "star" and select_allreduce(64, 8) == "recursive_doubling"
+    assert select_allreduce(4 << 20, 6) == "ring" and select_allreduce((4 << 20) - 1, 6) == "star"
     assert select_allreduce(64, 32) == "recursive_doubling"
     assert select_allreduce(1 << 20, 32) == "ring"
     assert select_allreduce(64, 1) in ALLREDUCE
@@ -397,3 +398,66 @@ def test_barrier_lets_nobody_through_early(n: int) -> None:
 def test_barrier_names_the_missing_rank() -> None:
     _, errors = run_ranks(3, lambda r, t: None if r == 1 else barrier(t, timeout=0.2))
     assert [e.missing for e in errors if e is not None] == [[1], [1]]
+
+
+# -- the same guarantees over the framed transports ----------------------------
+# No agreement round precedes the data (see gradcoll/algorithms/_guard.py):
+# mismatches travel in the tags, bad inputs as a planted NaN, and the error
+# path exchanges records over links that may still hold stray data frames.
+# These run the scenarios above over tcp and shm, whose links must survive it.
+
+def run_framed(kind: str, n: int, fn: Callable[[int, Any], Any], timeout: float = 10.0) -> list[BaseException | None]:
+    from gradcoll.testing import threaded_group
+    from gradcoll.transport import shm, tcp
+
+    ts = threaded_group({"tcp": tcp.create, "shm": shm.create}[kind], n, timeout=timeout)
+    errors: list[BaseException | None] = [None] * n
+
+    def target(r: int) -> None:
+        try:
+            fn(r, ts[r])
+        except BaseException as exc:  # collected and checked by the test
+            errors[r] = exc
+
+    threads = [threading.Thread(target=target, args=(r,)) for r in range(n)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(60)
+    for t in ts:
+        t.close()
+    assert not any(t.is_alive() for t in threads), "a rank hung"
+    return errors
+
+
+@pytest.mark.parametrize("kind", ["tcp", "shm"])
+@pytest.mark.parametrize("algo", ALGOS)
+def test_framed_mismatch_is_named_on_every_rank(kind: str, algo: str) -> None:
+    def fn(r: int, t: Any) -> Any:  # rank 2 sends 4x the bytes: stray frames sit in the links
+        return ALLREDUCE[algo](t, np.ones(4000 if r == 2 else 1000, np.float32), seq=5, timeout=5.0)
+
+    for e in run_framed(kind, 3, fn):
+        assert isinstance(e, CollectiveMismatch), e
+        assert "rank 0 called" in str(e) and "rank 2 called" in str(e) and "count=4000" in str(e)
+
+
+@pytest.mark.parametrize("kind", ["tcp", "shm"])
+@pytest.mark.parametrize("algo", ALGOS)
+def test_framed_absent_rank_and_nonfinite(kind: str, algo: str) -> None:
+    def absent(r: int, t: Any) -> Any:
+        if r != 1:
+            return ALLREDUCE[algo](t, np.ones(300_000, np.float32), seq=2, timeout=0.5)
+
+    errors = run_framed(kind, 4, absent)
+    for r in (0, 2, 3):
+        e = errors[r]
+        assert isinstance(e, CollectiveTimeout) and e.missing == [1] and e.seq == 2, (r, e)
+
+    def nan(r: int, t: Any) -> Any:
+        x = np.ones(1000, np.float32)
+        if r == 2:
+            x[999] = np.nan
+        return ALLREDUCE[algo](t, x, op="max", seq=9, timeout=5.0)
+
+    for e in run_framed(kind, 3, nan):
+        assert isinstance(e, NonFiniteError) and (e.contributor, e.index, e.seq) == (2, 999, 9), e

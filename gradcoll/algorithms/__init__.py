@@ -1,10 +1,14 @@
 """Collective algorithms, written only against the Transport interface and the kernels.
 
-Every function takes a transport and a NumPy buffer, works in place, and
-starts with the handshake of :mod:`._handshake` (so every rank agrees on
-what runs, who is here and whether the inputs are finite, and raises the
-same error if not). :class:`~gradcoll.group.ProcessGroup` is the usual way
-in; these functions are the layer below it.
+Every function takes a transport and a NumPy buffer and works in place.
+The allreduces send no agreement round before their data: their tags carry
+the call's descriptor and a bad input travels as a planted NaN, and only when
+something goes wrong do the ranks exchange records to agree on the error
+(:mod:`._guard`). Broadcast, allgather, reduce_scatter and barrier still
+start with the handshake round of :mod:`._handshake`. Either way every rank
+agrees on what ran, who was there and whether the inputs were finite, and
+raises the same error if not. :class:`~gradcoll.group.ProcessGroup` is the
+usual way in; these functions are the layer below it.
 
 Allreduce algorithms, chosen by :func:`select_allreduce` for ``"auto"``:
 
@@ -18,7 +22,7 @@ reduces, and ``workspace=`` to reuse scratch buffers across calls.
 
 from __future__ import annotations
 
-from typing import Callable
+from collections.abc import Callable
 
 from .allgather import allgather
 from .barrier import barrier
@@ -40,6 +44,7 @@ __all__ = [
     "barrier",
     "SMALL_BYTES",
     "RING_BYTES",
+    "PAIR_RING_BYTES",
     "STAR_MAX_RANKS",
 ]
 
@@ -52,7 +57,10 @@ ALLREDUCE: dict[str, Callable[..., object]] = {
 
 #: From this many bytes on "auto" uses the ring on 3+ ranks.
 RING_BYTES = 4 << 20
-#: Up to this many ranks "auto" sends buffers below RING_BYTES through the star.
+#: From this many bytes on "auto" uses the ring on 2 ranks.
+PAIR_RING_BYTES = 1 << 20
+#: Up to this many ranks "auto" sends buffers below RING_BYTES through the star
+#: (or recursive doubling when the world size is a power of two).
 STAR_MAX_RANKS = 8
 #: Beyond STAR_MAX_RANKS, up to this many bytes "auto" uses recursive doubling.
 SMALL_BYTES = 64 << 10
@@ -61,18 +69,20 @@ SMALL_BYTES = 64 << 10
 def select_allreduce(nbytes: int, size: int) -> str:
     """The algorithm ``algorithm="auto"`` runs for a buffer of ``nbytes`` on ``size`` ranks.
 
-    Measured on the 2-core development machine (docs/algorithms/collectives.md,
-    "Choosing an algorithm"): on 2 ranks recursive doubling is one exchange
-    and was fastest or tied at every size over tcp; on 3-8 ranks the star
-    won up to 1 MiB (fewest sequential steps, which dominate when ranks
-    share few cores) and the ring tied or won from 4 MiB. Beyond 8 ranks (not
-    measurable here) the star's root becomes the bottleneck, so small
-    buffers go to recursive doubling (log2 n rounds) and the rest to the ring.
+    Measured on the 2-core development machine over shm and tcp once the
+    agreement round left the happy path (docs/algorithms/collectives.md,
+    "Choosing an algorithm"): on 2 ranks recursive doubling (one exchange)
+    wins below 1 MiB and the ring (half the bytes through each copy) from
+    1 MiB; on 3-8 ranks recursive doubling wins below 4 MiB when the world
+    size is a power of two (no fold), the star otherwise (two steps against
+    four), and the ring from 4 MiB. Beyond 8 ranks (not measurable here) the
+    star's root becomes the bottleneck, so small buffers go to recursive
+    doubling (log2 n rounds) and the rest to the ring.
     """
     if size <= 2:
-        return "recursive_doubling"
+        return "recursive_doubling" if nbytes < PAIR_RING_BYTES else "ring"
     if nbytes >= RING_BYTES:
         return "ring"
     if size <= STAR_MAX_RANKS:
-        return "star"
+        return "recursive_doubling" if size & (size - 1) == 0 else "star"
     return "recursive_doubling" if nbytes <= SMALL_BYTES else "ring"

@@ -14,7 +14,7 @@ from typing import Any
 import numpy as np
 
 from ..errors import CollectiveMismatch, CollectiveTimeout, TransportBroken, TransportClosed, UsageError
-from ..transport._frame import FrameMismatch
+from ..transport._frame import LENIENT_TAG, FrameMismatch
 from ..transport.base import Deadline, Request, Transport
 
 __all__ = [
@@ -36,14 +36,16 @@ OPS = ("mean", "sum", "max", "min")
 #: Element types the reduction kernels take.
 REDUCE_DTYPES = (np.dtype(np.float16), np.dtype(np.float32), np.dtype(np.float64))
 
-# Data tags: (seq mod 2**20) << 8 | phase, always below the handshake tags
-# (0x7F00xxxx, see _handshake.py) and below every transport's MAX_TAG.
+# Data tags of the collectives that run the handshake round: LENIENT_TAG |
+# (seq mod 2**20) << 8 | phase, inside the collectives' tag range (docs/wire.md)
+# and below the handshake tags (0x7F00xxxx, see _handshake.py). Allreduces
+# hash their whole descriptor into the tag instead (see _guard.py).
 _SEQ_MASK = (1 << 20) - 1
 
 
 def data_tag(seq: int, phase: int) -> int:
     """The transport tag of one phase (1..255) of collective ``seq``."""
-    return ((seq & _SEQ_MASK) << 8) | phase
+    return LENIENT_TAG | ((seq & _SEQ_MASK) << 8) | phase
 
 
 def chunk_bounds(count: int, n: int) -> list[int]:
@@ -95,17 +97,27 @@ class Workspace:
 
     def __init__(self) -> None:
         self._bufs: dict[tuple[str, np.dtype], np.ndarray] = {}
+        self._views: dict[tuple[str, Any, Any], np.ndarray] = {}  # (name, shape, dtype) as asked -> view
 
     def get(self, name: str, shape: int | tuple[int, ...], dtype: Any) -> np.ndarray:
         """An uninitialised array of ``shape``, backed by a buffer kept under ``name``."""
+        view = self._views.get((name, shape, dtype))
+        if view is not None:  # the common case: the same collective again
+            return view
         dt = np.dtype(dtype)
-        shape = (shape,) if isinstance(shape, int) else tuple(shape)
-        need = int(np.prod(shape, dtype=np.int64))
+        dims = (shape,) if isinstance(shape, int) else tuple(shape)
+        need = 1
+        for d in dims:
+            need *= int(d)
         buf = self._bufs.get((name, dt))
         if buf is None or buf.size < need:
             buf = np.empty(max(need, 1), dt)
             self._bufs[(name, dt)] = buf
-        return buf[:need].reshape(shape)
+            self._views = {k: v for k, v in self._views.items() if k[0] != name}  # views of the old buffer
+        view = buf[:need].reshape(dims)
+        if len(self._views) < 64:
+            self._views[(name, shape, dtype)] = view
+        return view
 
 
 def scratch(ws: Workspace | None, name: str, shape: int | tuple[int, ...], dtype: Any) -> np.ndarray:
@@ -220,8 +232,8 @@ class Coll:
         return self.wait(self.irecv(peer, out, tag), peer)
 
     def sendrecv(self, peer: int, sendbuf: Any, recvbuf: Any, tag: int) -> None:
-        """Exchange with ``peer`` (both directions in flight at once)."""
-        rreq = self.irecv(peer, recvbuf, tag)
-        sreq = self.isend(peer, sendbuf, tag)
-        self.wait(rreq, peer)
-        self.wait(sreq, peer)
+        """Exchange with ``peer`` (both directions in flight at once; the transport's own fast path)."""
+        try:
+            self.t.sendrecv(peer, sendbuf, peer, recvbuf, tag, self.deadline.remaining())
+        except (CollectiveTimeout, TransportClosed, TransportBroken, CollectiveMismatch) as exc:
+            raise self.translate(exc, peer) from exc

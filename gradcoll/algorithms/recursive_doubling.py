@@ -23,19 +23,22 @@ sum - are the same for every rank, so every rank ends with the same bits.
 Each active rank sends ``log2(p) * S`` bytes in ``log2(p)`` rounds (plus one
 fold and one unfold step of ``S`` bytes when ``n`` is not a power of two).
 An overflow sets element 0 of the partial to NaN, which every later round
-carries to every rank, so all ranks detect it together. See
-docs/algorithms/recursive_doubling.md.
+carries to every rank, so all ranks detect it together; a bad input was
+planted there before the data moved (see :mod:`._guard`, which also carries
+the mismatch and timeout checks). See docs/algorithms/recursive_doubling.md.
 """
 
 from __future__ import annotations
+
+import math
 
 import numpy as np
 
 from .. import kernels
 from ..errors import NonFiniteError
 from ..transport.base import Transport
-from ._common import Coll, Workspace, as_flat, check_op, data_tag, scratch
-from ._handshake import handshake, local_status, make_record, raise_nonfinite
+from ._common import Coll, Workspace, as_flat, check_op, scratch
+from ._guard import ERRORS, begin, fail
 
 __all__ = ["recursive_doubling_allreduce"]
 
@@ -57,42 +60,51 @@ def recursive_doubling_allreduce(
     flat = as_flat(buf, reduce=True)
     check_op(op)
     coll = Coll(transport, "recursive-doubling allreduce", seq, flat.nbytes, timeout)
-    status = local_status(flat, check_finite, backend)
-    handshake(coll, make_record("allreduce", "recursive_doubling", op, flat.dtype, flat.size, seq, status=status))
+    begin(coll, "allreduce", "recursive_doubling", op, flat, check_finite, backend)
+    if coll.size > 1:  # even for 0 elements: the empty frames still carry the descriptor
+        try:
+            _exchange(coll, flat, op, check_finite, workspace, backend)
+        except ERRORS as exc:
+            fail(coll, exc)
+    if check_finite and flat.size and not math.isfinite(flat[0]):
+        fail(coll, None, (0, float(flat[0])))  # a planted NaN: a bad input or an overflow
+    return buf
+
+
+def _exchange(coll: Coll, flat: np.ndarray, op: str, check: bool, workspace: Workspace | None,
+              backend: str | None) -> None:
     n, me = coll.size, coll.rank
-    if n == 1 or flat.size == 0:
-        return buf
     p = 1 << (n.bit_length() - 1)
     r = n - p
     rounds = p.bit_length() - 1
     tmp = scratch(workspace, "rd", flat.size, flat.dtype)
-    combine = _combiner(op, n, check_finite, backend)
+    combine = _combiner(op, n, check, backend)
+    fold, rnd, unfold = coll.tag0 + _FOLD, coll.tag0 + _ROUND, coll.tag0 + _UNFOLD
     coll.begin(rounds + (2 if r else 0))
     if me < 2 * r and me % 2 == 0:  # sits out: fold in, then wait for the result
         coll.step = 1
-        coll.send(me + 1, flat, data_tag(seq, _FOLD))
+        coll.send(me + 1, flat, fold)
         coll.step = coll.steps
-        coll.recv(me + 1, flat, data_tag(seq, _UNFOLD))
-    else:
-        if me < 2 * r:
-            coll.step = 1
-            coll.recv(me - 1, tmp, data_tag(seq, _FOLD))
+        coll.recv(me + 1, flat, unfold)
+        return
+    if me < 2 * r:
+        coll.step = 1
+        coll.recv(me - 1, tmp, fold)
+        if flat.size:
             combine(flat, tmp, False)
-            v = me // 2
-        else:
-            v = me - r
-        for k in range(rounds):
-            coll.step = k + 1 + (1 if r else 0)
-            pv = v ^ (1 << k)
-            peer = 2 * pv + 1 if pv < r else pv + r
-            coll.sendrecv(peer, flat, tmp, data_tag(seq, _ROUND))
+        v = me // 2
+    else:
+        v = me - r
+    for k in range(rounds):
+        coll.step = k + 1 + (1 if r else 0)
+        pv = v ^ (1 << k)
+        peer = 2 * pv + 1 if pv < r else pv + r
+        coll.sendrecv(peer, flat, tmp, rnd)
+        if flat.size:
             combine(flat, tmp, k == rounds - 1)
-        if me < 2 * r:
-            coll.step = coll.steps
-            coll.send(me - 1, flat, data_tag(seq, _UNFOLD))
-    if check_finite and op in ("mean", "sum") and not np.isfinite(flat[0]):
-        raise_nonfinite(coll, None, -1, float(flat[0]))
-    return buf
+    if me < 2 * r:
+        coll.step = coll.steps
+        coll.send(me - 1, flat, unfold)
 
 
 def _combiner(op: str, n: int, check: bool, backend: str | None):  # type: ignore[no-untyped-def]

@@ -21,15 +21,17 @@ docs/algorithms/ring.md.
 
 from __future__ import annotations
 
-from typing import Any, Callable
+import math
+from collections.abc import Callable
+from typing import Any
 
 import numpy as np
 
 from .. import kernels
 from ..errors import NonFiniteError
 from ..transport.base import Request, Transport
-from ._common import Coll, Workspace, as_flat, check_op, chunk_bounds, data_tag, scratch, segment_bounds
-from ._handshake import handshake, local_status, make_record
+from ._common import Coll, Workspace, as_flat, check_op, chunk_bounds, scratch, segment_bounds
+from ._guard import ERRORS, begin, fail
 
 __all__ = ["ring_allreduce", "ring_pass", "SEGMENT_BYTES"]
 
@@ -55,13 +57,17 @@ def ring_allreduce(
     flat = as_flat(buf, reduce=True)
     check_op(op)
     coll = Coll(transport, "ring allreduce", seq, flat.nbytes, timeout)
-    status = local_status(flat, check_finite, backend)
-    handshake(coll, make_record("allreduce", "ring", op, flat.dtype, flat.size, seq, status=status))
-    if coll.size > 1 and flat.size:
-        ring_pass(coll, flat, op, allgather=True, shift=0, check=check_finite,
-                  segment_bytes=segment_bytes, workspace=workspace, backend=backend)
-        if check_finite and op in ("mean", "sum"):
-            _check_sentinels(coll, flat, segment_bytes)
+    begin(coll, "allreduce", "ring", op, flat, check_finite, backend)
+    if coll.size > 1:  # even for 0 elements: the empty frames still carry the descriptor
+        try:
+            ring_pass(coll, flat, op, allgather=True, shift=0, check=check_finite,
+                      segment_bytes=segment_bytes, workspace=workspace, backend=backend)
+        except ERRORS as exc:
+            fail(coll, exc)
+    if check_finite and flat.size:
+        bad = _first_sentinel(flat, coll.size, segment_bytes)
+        if bad is not None:
+            fail(coll, None, bad)
     return buf
 
 
@@ -81,7 +87,7 @@ def _combiner(op: str, n: int, check: bool, backend: str | None) -> Callable[[np
     ufunc = np.maximum if op == "max" else np.minimum
 
     def combine_minmax(acc: np.ndarray, x: np.ndarray, last: bool) -> bool:
-        ufunc(acc, x, out=acc)  # inputs were checked finite by the handshake
+        ufunc(acc, x, out=acc)  # NaN propagates: a bad input was planted as a NaN in element 0
         return True
 
     return combine_minmax
@@ -100,7 +106,7 @@ def ring_pass(coll: Coll, flat: np.ndarray, op: str, *, allgather: bool, shift: 
     right, left = (q + 1) % n, (q - 1) % n
     bounds = chunk_bounds(flat.size, n)
     seg = max(1, segment_bytes // flat.itemsize)
-    tag = data_tag(coll.seq, _PHASE)
+    tag = coll.tag0 + _PHASE
     total = 2 * (n - 1) if allgather else n - 1
     base = q + shift
 
@@ -140,9 +146,9 @@ def ring_pass(coll: Coll, flat: np.ndarray, op: str, *, allgather: bool, shift: 
         coll.wait(reqs.pop(u), left)
         if g < n - 1 and b > a:
             if not combine(flat[a:b], tmp[u % 2, : b - a], g == n - 2):
-                # Inputs were checked finite, so this is an overflow (or an
-                # upstream sentinel). Mark the segment's first element so the
-                # owner's copy and everyone's allgathered copy show it.
+                # An overflow, a planted bad input or an upstream sentinel: mark
+                # the segment's first element so the owner's copy and everyone's
+                # allgathered copy show it.
                 flat[a] = np.nan
         if g + 1 < total:
             sends[g + 1].append(coll.isend(right, flat[a:b], tag))
@@ -153,18 +159,12 @@ def ring_pass(coll: Coll, flat: np.ndarray, op: str, *, allgather: bool, shift: 
             coll.wait(r, right)
 
 
-def _check_sentinels(coll: Coll, flat: np.ndarray, segment_bytes: int) -> None:
-    """Raise NonFiniteError on every rank if any segment's owner flagged an overflow."""
-    bounds = chunk_bounds(flat.size, coll.size)
+def _first_sentinel(flat: np.ndarray, n: int, segment_bytes: int) -> tuple[int, float] | None:
+    """The first segment start that holds a NaN/Inf (a planted or overflowed segment), or None."""
+    bounds = chunk_bounds(flat.size, n)
     seg = max(1, segment_bytes // flat.itemsize)
-    starts = [a for c in range(coll.size) for a, b in segment_bounds(bounds[c], bounds[c + 1], seg) if b > a]
-    firsts = flat[starts]
-    if not np.isfinite(firsts).all():
-        i = int(np.flatnonzero(~np.isfinite(firsts))[0])
-        a = starts[i]
-        b = min(a + seg, bounds[int(np.searchsorted(bounds, a, side="right"))])
-        raise NonFiniteError(
-            f"rank {coll.rank}: non-finite gradient in {coll.where()}: the reduced sum overflowed in "
-            f"elements [{a}, {b}) although every input was finite; every rank halts",
-            contributor=None, index=a, value=float("inf"), rank=coll.rank, seq=coll.seq,
-        )
+    for c in range(n):
+        for a in range(bounds[c], bounds[c + 1], seg):
+            if not math.isfinite(flat[a]):
+                return a, float(flat[a])
+    return None

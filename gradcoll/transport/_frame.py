@@ -12,6 +12,13 @@ holds an ``ABORT_*`` reason code); nothing follows CLOSE or ABORT. ``seq``
 counts messages per ordered pair from 0. The TCP handshake is a 32-byte
 :data:`HELLO` record. See ``docs/wire.md``.
 
+A receive finds exactly the tag and length it expects, or the link is
+dropped with an ABORT, except between *lenient* tags (``>= LENIENT_TAG``,
+the collectives' own): there the unexpected frame is read in whole, the
+receive fails with :class:`FrameMismatch` carrying it, and the link stays in
+step. That is how a collective learns of another rank's different call or
+alarm without losing the link it needs to agree on the error.
+
 The codec below is sans-I/O. :class:`FramedTransport` is the part both
 transports share and that still touches no socket or segment: per-peer
 send/receive queues, sequence numbers, the one-driver-at-a-time wait loop,
@@ -24,7 +31,8 @@ from __future__ import annotations
 import struct
 import threading
 from collections import deque
-from typing import Any, Iterable, NamedTuple
+from collections.abc import Iterable
+from typing import Any, NamedTuple
 
 from ..errors import CollectiveMismatch, CollectiveTimeout, ProtocolError, TransportBroken, TransportClosed, UsageError
 from .base import Deadline, Request, Transport, as_bytes_view, as_writable_view
@@ -262,8 +270,10 @@ class FramedTransport(Transport):
 
     # -- starting operations -------------------------------------------
     def _start(self, peer: int, view: memoryview, tag: int, is_send: bool) -> Op:
-        self._check_peer(peer)
-        check_tag(tag)
+        if type(peer) is not int or not 0 <= peer < self.size or peer == self.rank:
+            self._check_peer(peer)  # raises the UsageError (or accepts an int subclass)
+        if type(tag) is not int or not 0 <= tag <= MAX_TAG:
+            check_tag(tag)
         link = self._links[peer]
         assert link is not None
         op = Op(self, link, is_send, view, tag)
