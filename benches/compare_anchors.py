@@ -168,7 +168,7 @@ def run(kind: str, n: int, lo: str, hi: str, repeats: int) -> list[dict]:
 
         sink = Sink()
         backend = kind.split("-")[1] if kind.startswith("gradcoll") else "tcp"
-        res = launch(wargs, n, backend=backend, prefix=False, out=sink, timeout=1800)  # type: ignore[arg-type]
+        res = launch(wargs, n, backend=backend, prefix=False, out=sink, timeout=1800)
         out, ok, err = sink.text, res.ok, sink.text
     rows = [json.loads(line.split(TAG, 1)[1]) for line in out.splitlines() if TAG in line]
     if not ok:

@@ -3,6 +3,18 @@
 from __future__ import annotations
 
 from . import kernels
+from .coordinator import (
+    AllReduceResult,
+    AveragedBlockResult,
+    AveragedNonBlockResult,
+    AveragedResult,
+    BlockAllReduceResult,
+    DistributedConfig,
+    GradientServer,
+    NonBlockAllReduceResult,
+    ShardAssignment,
+    WorkerClient,
+)
 from .errors import (
     BackendUnavailable,
     CollectiveMismatch,
@@ -15,18 +27,6 @@ from .errors import (
     TransportClosed,
     TransportError,
     UsageError,
-)
-from .coordinator import (
-    AllReduceResult,
-    AveragedBlockResult,
-    AveragedNonBlockResult,
-    AveragedResult,
-    BlockAllReduceResult,
-    DistributedConfig,
-    GradientServer,
-    NonBlockAllReduceResult,
-    ShardAssignment,
-    WorkerClient,
 )
 from .group import ProcessGroup, Work
 from .optimizer import (

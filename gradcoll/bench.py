@@ -46,7 +46,8 @@ def sizes_between(lo: int, hi: int) -> list[int]:
 def _expected(rank_values: np.ndarray, world: int) -> np.ndarray:
     from .kernels import mean_reduce
 
-    return mean_reduce([rank_values * np.float32(r + 1) for r in range(world)])
+    expected: np.ndarray = mean_reduce([rank_values * np.float32(r + 1) for r in range(world)])  # host inputs give a host array
+    return expected
 
 
 def worker_main(argv: Sequence[str] | None = None) -> int:
@@ -150,10 +151,10 @@ def format_row(r: dict[str, Any]) -> str:
     )
 
 
-def build_parser(sub: argparse._SubParsersAction | None = None) -> argparse.ArgumentParser:
+def build_parser(sub: argparse._SubParsersAction[argparse.ArgumentParser] | None = None) -> argparse.ArgumentParser:
     """The ``bench`` argument parser."""
-    kw = dict(description="Allreduce bandwidth/latency sweep over local ranks (nccl-tests style).")
-    p = sub.add_parser("bench", **kw) if sub is not None else argparse.ArgumentParser(prog="gradcoll bench", **kw)
+    description = "Allreduce bandwidth/latency sweep over local ranks (nccl-tests style)."
+    p = sub.add_parser("bench", description=description) if sub is not None else argparse.ArgumentParser(prog="gradcoll bench", description=description)
     p.add_argument("-n", "--nprocs", type=int, default=2)
     p.add_argument("--backend", default="shm", choices=["tcp", "shm"])
     p.add_argument("--algorithm", default="auto")

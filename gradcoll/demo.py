@@ -166,10 +166,10 @@ def worker_main(argv: Sequence[str] | None = None) -> int:
     return 0
 
 
-def build_parser(sub: argparse._SubParsersAction | None = None) -> argparse.ArgumentParser:
+def build_parser(sub: argparse._SubParsersAction[argparse.ArgumentParser] | None = None) -> argparse.ArgumentParser:
     """The ``demo`` argument parser."""
-    kw = dict(description="Train a small model data-parallel across local processes and check the result.")
-    p = sub.add_parser("demo", **kw) if sub is not None else argparse.ArgumentParser(prog="gradcoll demo", **kw)
+    description = "Train a small model data-parallel across local processes and check the result."
+    p = sub.add_parser("demo", description=description) if sub is not None else argparse.ArgumentParser(prog="gradcoll demo", description=description)
     p.add_argument("-n", "--nprocs", type=int, default=4)
     p.add_argument("--backend", default="shm", choices=["tcp", "shm"])
     p.add_argument("--steps", type=int, default=300)

@@ -39,6 +39,7 @@ import numpy as np
 from .algorithms import ALLREDUCE, allgather, barrier, broadcast, reduce_scatter, select_allreduce
 from .algorithms._common import REDUCE_DTYPES, Workspace, check_op
 from .algorithms.ring import SEGMENT_BYTES
+from .buffers import as_buffer, is_device_array
 from .errors import CollectiveTimeout, GroupPoisoned, TransportClosed, UsageError
 from .transport.base import Transport
 
@@ -92,9 +93,16 @@ class Work:
 
 
 def _writable(buf: Any, *, reduce: bool, what: str = "buf") -> tuple[np.ndarray, Callable[[], None]]:
-    """A C-contiguous array to run on, and a function that copies the result back into ``buf``."""
+    """A C-contiguous array to run on, and a function that copies the result back into ``buf``.
+
+    NumPy arrays that are strided views are copied and written back (documented);
+    every other object goes through :func:`gradcoll.buffers.as_buffer`, which views
+    it without a copy or refuses it with an error naming it.
+    """
     if not isinstance(buf, np.ndarray):
-        raise UsageError(f"{what} must be a numpy array (collectives work in place), got {type(buf).__name__}")
+        if is_device_array(buf):
+            raise UsageError(f"{what}: device arrays are reduced by allreduce only (see docs: GPU buffers)")
+        buf = as_buffer(buf, writable=True, what=what).array
     if not buf.flags.writeable:
         raise UsageError(f"{what} is read-only; collectives work in place")
     if reduce and buf.dtype not in REDUCE_DTYPES:
@@ -118,6 +126,7 @@ class ProcessGroup:
                  segment_bytes: int = SEGMENT_BYTES, kernel_backend: str | None = None) -> None:
         self.transport = transport
         self.kernel_backend = kernel_backend
+        self._pinned: dict[tuple[int, str], tuple[np.ndarray, np.ndarray]] = {}
         self.rank = transport.rank
         self.size = transport.size
         self.timeout = transport.timeout if timeout is None else timeout
@@ -218,7 +227,16 @@ class ProcessGroup:
     # -- collectives -------------------------------------------------------
     def allreduce(self, buf: np.ndarray, op: str = "mean", algorithm: str = "auto", check_finite: bool = True,
                   async_op: bool = False, timeout: float | None = None) -> Any:
-        """Reduce ``buf`` across all ranks in place (mean, sum, max or min); returns ``buf`` (or a Work)."""
+        """Reduce ``buf`` across all ranks in place (mean, sum, max or min); returns ``buf`` (or a Work).
+
+        ``buf`` may be a NumPy array, a PyTorch CPU tensor, a DLPack or buffer
+        object (viewed without a copy), or a CUDA device array: device buffers
+        are staged through a reusable pinned host buffer, every rank's
+        contribution is gathered, and the reduction runs on the device with the
+        fused CUDA kernel (see docs/transports.md, GPU buffers).
+        """
+        if is_device_array(buf):
+            return self._device_allreduce(buf, op, check_finite, async_op, timeout)
         work, writeback = _writable(buf, reduce=True)
         check_op(op)
         algo = self._pick(algorithm, work.nbytes)
@@ -233,6 +251,40 @@ class ProcessGroup:
             return buf
 
         return self._submit(f"{algo} allreduce", job, async_op)
+
+    def _device_allreduce(self, buf: Any, op: str, check_finite: bool, async_op: bool, timeout: float | None) -> Any:
+        """Allreduce of a device array: stage to pinned host memory, allgather, reduce on the device."""
+        from numba import cuda
+
+        from .kernels import mean_reduce
+
+        dev = as_buffer(buf, what="buf").array
+        check_op(op)
+        dtype = np.dtype(dev.dtype)
+        if dtype not in REDUCE_DTYPES or dtype == np.float16:
+            raise UsageError(f"device buffers must be float32 or float64, got {dtype}")
+        flat = dev.reshape(dev.size)
+        key = (dev.size, dtype.str)
+        staged = self._pinned.get(key)
+        if staged is None:  # reused across calls: pinned allocations are expensive
+            staged = (cuda.pinned_array(dev.size, dtype), cuda.pinned_array((self.size, dev.size), dtype))
+            self._pinned[key] = staged
+        local, rows = staged
+        limit = self._timeout(timeout)
+
+        def job(seq: int) -> Any:
+            flat.copy_to_host(local)
+            allgather(self.transport, local, rows, seq=seq, timeout=limit)
+            if op in ("mean", "sum"):
+                mean_reduce(cuda.to_device(rows), out=flat, op=op, check_finite=check_finite)
+            else:
+                red = np.maximum.reduce(rows) if op == "max" else np.minimum.reduce(rows)
+                if check_finite and not np.isfinite(rows).all():
+                    mean_reduce(rows, op="sum")  # raises NonFiniteError naming the rank (row)
+                flat.copy_to_device(red)
+            return buf
+
+        return self._submit("device allreduce", job, async_op)
 
     def allreduce_many(self, arrays: Sequence[np.ndarray], op: str = "mean", algorithm: str = "auto",
                        check_finite: bool = True, async_op: bool = False, timeout: float | None = None) -> Any:

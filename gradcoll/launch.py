@@ -20,7 +20,7 @@ import threading
 import time
 from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import IO
+from typing import IO, Protocol
 
 __all__ = ["launch", "free_port", "LaunchResult", "main"]
 
@@ -30,6 +30,14 @@ def free_port(host: str = "127.0.0.1") -> int:
     with socket.socket() as s:
         s.bind((host, 0))
         return int(s.getsockname()[1])
+
+
+class OutputSink(Protocol):
+    """Where :func:`launch` writes the ranks' output: any text stream with ``write`` and ``flush``."""
+
+    def write(self, s: str, /) -> int: ...
+
+    def flush(self) -> None: ...
 
 
 @dataclass(frozen=True)
@@ -45,7 +53,7 @@ class LaunchResult:
         return self.failed_rank is None and all(rc == 0 for rc in self.returncodes)
 
 
-def _pump(stream: IO[bytes], rank: int, out: IO[str], lock: threading.Lock, prefix: bool) -> None:
+def _pump(stream: IO[bytes], rank: int, out: OutputSink, lock: threading.Lock, prefix: bool) -> None:
     for raw in iter(stream.readline, b""):
         line = raw.decode(errors="replace")
         with lock:
@@ -67,7 +75,7 @@ def launch(
     timeout: float | None = None,
     grace: float = 5.0,
     prefix: bool = True,
-    out: IO[str] | None = None,
+    out: OutputSink | None = None,
 ) -> LaunchResult:
     """Run ``cmd`` as ``nprocs`` ranks; stop all when one fails; return how it ended."""
     if nprocs < 1:
@@ -139,10 +147,10 @@ def _stop_all(procs: list[subprocess.Popen[bytes]], grace: float) -> None:
             p.wait(timeout=grace)
 
 
-def build_parser(sub: argparse._SubParsersAction | None = None) -> argparse.ArgumentParser:
+def build_parser(sub: argparse._SubParsersAction[argparse.ArgumentParser] | None = None) -> argparse.ArgumentParser:
     """The ``launch`` argument parser (standalone or as a subcommand)."""
-    kw = dict(description="Start N local ranks of a Python script with the rendezvous variables set.")
-    p = sub.add_parser("launch", **kw) if sub is not None else argparse.ArgumentParser(prog="gradcoll launch", **kw)
+    description = "Start N local ranks of a Python script with the rendezvous variables set."
+    p = sub.add_parser("launch", description=description) if sub is not None else argparse.ArgumentParser(prog="gradcoll launch", description=description)
     p.add_argument("-n", "--nprocs", type=int, required=True, help="number of ranks")
     p.add_argument("--backend", default="tcp", choices=["tcp", "shm", "inproc", "mpi"], help="GRADCOLL_BACKEND for the ranks")
     p.add_argument("--master-addr", default="127.0.0.1")

@@ -88,12 +88,12 @@ def parse_init_method(init_method: str, env: Mapping[str, str] | None = None) ->
     if init_method.startswith("tcp://"):
         parts = urlsplit(init_method)
         try:
-            host, port = parts.hostname, parts.port
+            hostname, port = parts.hostname, parts.port
         except ValueError as exc:
             raise UsageError(f"bad port in init_method {init_method!r}: {exc}") from None
-        if not host or port is None or (parts.path not in ("", "/")) or parts.query:
+        if not hostname or port is None or (parts.path not in ("", "/")) or parts.query:
             raise UsageError(f"init_method {init_method!r} must look like tcp://HOST:PORT")
-        return InitMethod("tcp", host, _check_port(port, init_method))
+        return InitMethod("tcp", hostname, _check_port(port, init_method))
     raise UsageError(f"unknown init_method {init_method!r}; use env://, tcp://HOST:PORT or file://PATH")
 
 

@@ -171,10 +171,12 @@ class _Reader:
         return out
 
     def u32(self) -> int:
-        return _U32.unpack(self.take(4))[0]
+        value: int = _U32.unpack(self.take(4))[0]
+        return value
 
     def i64(self) -> int:
-        return _I64.unpack(self.take(8))[0]
+        value: int = _I64.unpack(self.take(8))[0]
+        return value
 
     def blob(self) -> bytes:
         return self.take(self.u32())
@@ -281,12 +283,12 @@ class _StoreServer:
             r.end()
             with self.cond:
                 try:
-                    value = int(self.data.get(key, b"0")) + amount
+                    total = int(self.data.get(key, b"0")) + amount
                 except ValueError:
                     return bytes([_ERROR]) + _blob(f"value of {key!r} is not an integer".encode())
-                self.data[key] = str(value).encode()
+                self.data[key] = str(total).encode()
                 self.cond.notify_all()
-            return bytes([_OK]) + _I64.pack(value)
+            return bytes([_OK]) + _I64.pack(total)
         if op == _CHECK:
             keys = [r.key() for _ in range(r.u32())]
             r.end()
@@ -336,7 +338,7 @@ class TCPStore(Store):
         self._server = _StoreServer(host, port, max_frame) if is_master else None
         self.port = self._server.port if self._server else port
         self._lock = threading.Lock()
-        self._sock = self._connect()
+        self._sock: socket.socket | None = self._connect()
 
     def _connect(self) -> socket.socket:
         end = time.monotonic() + self.timeout

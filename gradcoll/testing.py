@@ -22,7 +22,7 @@ import time
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from types import MappingProxyType
-from typing import Any
+from typing import Any, TypeVar
 
 import numpy as np
 
@@ -42,14 +42,18 @@ __all__ = [
 
 LARGE = 32 << 20
 
+_E = TypeVar("_E", bound=BaseException)
+
 
 def threaded_group(create: Callable[..., Transport], size: int, *, timeout: float = 30.0, **options: Any) -> list[Transport]:
     """Bootstrap ``size`` transports with ``create(store, rank, size, ...)`` in threads over one HashStore."""
-    store, out = HashStore(timeout), [None] * size
+    store = HashStore(timeout)
+    out: list[Transport | None] = [None] * size
 
     def boot(rank: int) -> Transport:
-        out[rank] = create(store, rank, size, timeout=timeout, **options)
-        return out[rank]
+        t = create(store, rank, size, timeout=timeout, **options)
+        out[rank] = t
+        return t
 
     try:
         run_ranks([boot] * size, list(range(size)), timeout=timeout + 5)
@@ -58,7 +62,7 @@ def threaded_group(create: Callable[..., Transport], size: int, *, timeout: floa
             if t is not None:
                 t.close()
         raise
-    return out  # type: ignore[return-value]
+    return [t for t in out if t is not None]  # run_ranks returned, so every rank booted
 
 
 def run_ranks(fns: Sequence[Callable[[Any], Any]], args: Sequence[Any], *, timeout: float = 60.0, on_error: Callable[[], None] | None = None) -> list[Any]:
@@ -116,7 +120,7 @@ def _check(size: int) -> Callable[[Callable[[Transport, Ctx], None]], Check]:
     return lambda fn: Check(fn.__name__.lstrip("_"), size, fn)
 
 
-def _raises(cls: type, fn: Callable[[], Any], *, rank: int | None = None, peer: int | None = None, within: float = 10.0) -> BaseException:
+def _raises(cls: type[_E], fn: Callable[[], Any], *, rank: int | None = None, peer: int | None = None, within: float = 10.0) -> _E:
     """Assert ``fn()`` raises ``cls`` within ``within`` seconds, naming ``rank`` and ``peer``."""
     start = time.monotonic()
     try:
@@ -133,7 +137,8 @@ def _raises(cls: type, fn: Callable[[], Any], *, rank: int | None = None, peer: 
 def _pattern(n: int, seed: int) -> np.ndarray:
     """``n`` bytes in which every 4-byte word differs, so misplaced chunks show."""
     words = np.arange(seed << 24, (seed << 24) + (n + 3) // 4, dtype=np.uint32)
-    return words.view(np.uint8)[:n].copy()
+    pattern: np.ndarray = words.view(np.uint8)[:n].copy()
+    return pattern
 
 
 @_check(1)
@@ -397,7 +402,10 @@ def run_check(
             t.close()
 
     try:
-        ctx = Ctx(lambda: barrier.wait() and None, large)
+        def sync() -> None:
+            barrier.wait()
+
+        ctx = Ctx(sync, large)
         run_ranks([lambda t: check.program(t, ctx)] * n, group, timeout=timeout, on_error=abort)
     finally:
         for t in group:

@@ -13,6 +13,7 @@ import platform
 
 import numpy as np
 import pytest
+from _mp_helpers import spawn_ranks
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
@@ -20,8 +21,6 @@ from gradcoll.errors import BackendUnavailable, CollectiveMismatch, CollectiveTi
 from gradcoll.store import HashStore
 from gradcoll.testing import run_ranks, threaded_group
 from gradcoll.transport import shm
-
-from _mp_helpers import spawn_ranks
 
 
 def _segments(directory: str) -> list[str]:

@@ -14,14 +14,13 @@ import time
 
 import numpy as np
 import pytest
+from _mp_helpers import spawn_ranks
 
 from gradcoll.errors import CollectiveMismatch, CollectiveTimeout, TransportBroken, TransportClosed, UsageError
 from gradcoll.store import HashStore
 from gradcoll.testing import run_ranks, threaded_group
 from gradcoll.transport import _frame as fr
 from gradcoll.transport import tcp
-
-from _mp_helpers import spawn_ranks
 
 
 @pytest.fixture

@@ -14,15 +14,17 @@ host arrays given to this backend are copied in and out.
 
 from __future__ import annotations
 
-import math
+import contextlib
+import threading
 from collections.abc import Sequence
 from typing import Any
 
 import numpy as np
-from numba import config, cuda, int32
+from numba import config, cuda
 
 from ..errors import BackendUnavailable, UsageError
 from . import reference
+from ._cuda_kernels import _accumulate_kernel, _finite_kernel, _reduce_kernel, _scale_kernel
 
 NAME = "cuda"
 THREADS = 256
@@ -40,69 +42,13 @@ def probe(name: str) -> None:
             raise BackendUnavailable("no CUDA GPU or driver found (numba.cuda.is_available() is False)")
 
 
-@cuda.jit(cache=False)
-def _reduce_kernel(x, out, divisor, dodiv, check, flag):
-    bad = cuda.shared.array(1, int32)
-    if cuda.threadIdx.x == 0:
-        bad[0] = 0
-    cuda.syncthreads()
-    n = x.shape[0]
-    m = out.shape[0]
-    start = cuda.grid(1)
-    stride = cuda.gridsize(1)
-    for i in range(start, m, stride):
-        out[i] = x[0, i]  # the store converts to out's dtype (float64 accumulation when asked)
-        acc = out[i]
-        for j in range(1, n):
-            acc += x[j, i]
-        if dodiv:
-            acc = acc / divisor
-        out[i] = acc
-        if check and (math.isnan(out[i]) or math.isinf(out[i])):
-            bad[0] = 1
-    cuda.syncthreads()
-    if cuda.threadIdx.x == 0 and bad[0] != 0:
-        cuda.atomic.max(flag, 0, 1)
+#: The simulator runs one kernel at a time ("concurrent simulated kernel not
+#: supported"); ranks running as threads serialise their launches on this lock.
+_SIM_LAUNCH = threading.Lock()
 
 
-@cuda.jit(cache=False)
-def _accumulate_kernel(acc, x, scale, doscale, divisor, dodiv, check, flag):
-    bad = cuda.shared.array(1, int32)
-    if cuda.threadIdx.x == 0:
-        bad[0] = 0
-    cuda.syncthreads()
-    for i in range(cuda.grid(1), acc.shape[0], cuda.gridsize(1)):
-        v = acc[i] + x[i]
-        if dodiv:
-            v = v / divisor
-        if doscale:
-            v = v * scale
-        acc[i] = v
-        if check and (math.isnan(v) or math.isinf(v)):
-            bad[0] = 1
-    cuda.syncthreads()
-    if cuda.threadIdx.x == 0 and bad[0] != 0:
-        cuda.atomic.max(flag, 0, 1)
-
-
-@cuda.jit(cache=False)
-def _finite_kernel(buf, flag):
-    bad = cuda.shared.array(1, int32)
-    if cuda.threadIdx.x == 0:
-        bad[0] = 0
-    cuda.syncthreads()
-    for i in range(cuda.grid(1), buf.shape[0], cuda.gridsize(1)):
-        if math.isnan(buf[i]) or math.isinf(buf[i]):
-            bad[0] = 1
-    cuda.syncthreads()
-    if cuda.threadIdx.x == 0 and bad[0] != 0:
-        cuda.atomic.max(flag, 0, 1)
-
-
-@cuda.jit(cache=False)
-def _scale_kernel(buf, factor):
-    for i in range(cuda.grid(1), buf.shape[0], cuda.gridsize(1)):
-        buf[i] = buf[i] * factor
+def _launching() -> Any:
+    return _SIM_LAUNCH if config.ENABLE_CUDASIM else contextlib.nullcontext()
 
 
 def _threads() -> int:
@@ -142,7 +88,8 @@ def _launch_reduce(x2d: Any, out1d: Any, divisor: float, check: bool) -> bool:
         return True
     flag = _flag()
     d = out1d.dtype.type(divisor)
-    _reduce_kernel[_blocks(m), _threads()](x2d, out1d, d, divisor != 1, check, flag)
+    with _launching():
+        _reduce_kernel[_blocks(m), _threads()](x2d, out1d, d, divisor != 1, check, flag)
     return int(flag.copy_to_host()[0]) == 0
 
 
@@ -193,10 +140,11 @@ def _accumulate_device_raw(acc: Any, x: Any, scale: float | None, divisor: float
         return True
     flag = _flag()
     t = acc.dtype.type
-    _accumulate_kernel[_blocks(m), _threads()](
-        acc, x, t(scale if scale is not None else 1), scale is not None,
-        t(divisor if divisor else 1), bool(divisor) and divisor != 1, check, flag,
-    )
+    with _launching():
+        _accumulate_kernel[_blocks(m), _threads()](
+            acc, x, t(scale if scale is not None else 1), scale is not None,
+            t(divisor if divisor else 1), bool(divisor) and divisor != 1, check, flag,
+        )
     return int(flag.copy_to_host()[0]) == 0
 
 
@@ -204,7 +152,8 @@ def _finite_device_raw(buf: Any) -> bool:
     if buf.shape[0] == 0:
         return True
     flag = _flag()
-    _finite_kernel[_blocks(buf.shape[0]), _threads()](buf, flag)
+    with _launching():
+        _finite_kernel[_blocks(buf.shape[0]), _threads()](buf, flag)
     return int(flag.copy_to_host()[0]) == 0
 
 
@@ -286,5 +235,6 @@ def scale_device(buf: Any, factor: float) -> None:
     d = _dev(buf)
     f = d.reshape(d.size)
     if f.shape[0]:
-        _scale_kernel[_blocks(f.shape[0]), _threads()](f, f.dtype.type(factor))
+        with _launching():
+            _scale_kernel[_blocks(f.shape[0]), _threads()](f, f.dtype.type(factor))
 

@@ -261,7 +261,9 @@ def accumulate(acc: np.ndarray, x: np.ndarray, scale: float | None, divisor: flo
     fn = accumulate_parallel if acc.shape[0] >= PARALLEL_ELEMS else accumulate_serial
     doscale = scale is not None
     dodiv = divisor is not None and divisor != 1
-    return bool(fn(acc, x, float(scale) if doscale else 1.0, doscale, float(divisor) if dodiv else 1.0, dodiv, check))
+    factor = float(scale) if scale is not None else 1.0
+    div = float(divisor) if divisor is not None and dodiv else 1.0
+    return bool(fn(acc, x, factor, doscale, div, dodiv, check))
 
 
 def is_all_finite(buf: np.ndarray) -> bool:

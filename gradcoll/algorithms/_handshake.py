@@ -91,11 +91,11 @@ class Record(NamedTuple):
     dtype: int
     itemsize: int
     root: int
-    count: int
+    count: int  # type: ignore[assignment]  # shadows tuple.count on purpose (wire field name)
     seq: int
     status: int = OK
     peer: int = -1
-    index: int = -1
+    index: int = -1  # type: ignore[assignment]  # shadows tuple.index (wire field name)
     value: float = 0.0
     present: int = 1
 
@@ -156,7 +156,7 @@ def _unpack(buf: bytes | bytearray, n: int) -> list[Record]:
         kind, algo, op = fields[:3]
         if present > 1 or kind >= len(KINDS) or algo >= len(ALGOS) or op >= len(OP_CODES):
             raise ProtocolError(f"malformed handshake record {i}")
-        recs.append(Record(*fields, present=present))
+        recs.append(Record(*fields, present))  # type: ignore[call-arg]  # 12 wire fields, then present
     return recs
 
 

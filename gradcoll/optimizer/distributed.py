@@ -209,7 +209,8 @@ class DistributedOptimizer:
             if w is None:
                 raise WorkerNotFound(update.worker_id)
             s = self._strategy
-            if s.kind == ASYNCHRONOUS and _staleness(self._step, update.step) > s.staleness_threshold:
+            # __post_init__ sets staleness_threshold for every asynchronous strategy.
+            if s.kind == ASYNCHRONOUS and s.staleness_threshold is not None and _staleness(self._step, update.step) > s.staleness_threshold:
                 self._dropped += 1
                 raise StaleUpdate(update.worker_id, update.step, self._step, s.staleness_threshold)
             pending = self._pending.get(update.layer_id)
@@ -235,7 +236,7 @@ class DistributedOptimizer:
         """True when ``update`` may no longer be aggregated at the current step."""
         if strategy.kind == SYNCHRONOUS:
             return update.step < self._step
-        if strategy.kind == ASYNCHRONOUS:
+        if strategy.kind == ASYNCHRONOUS and strategy.staleness_threshold is not None:  # always set for this kind
             return _staleness(self._step, update.step) > strategy.staleness_threshold
         return False  # federated and gossip averaging accept updates of any step
 

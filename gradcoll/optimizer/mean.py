@@ -30,6 +30,8 @@ def first_nonfinite(gradients: np.ndarray, backend: str | None = None) -> tuple[
     try:
         kernels.check_finite(gradients, backend=backend)
     except NonFiniteError as exc:
+        if exc.index is None or exc.value is None:  # check_finite always names the element
+            raise
         return exc.index, exc.value
     return None
 
@@ -50,7 +52,8 @@ def _weighted_sum(rows: list[np.ndarray], norm: np.ndarray, backend: str | None)
     # Scaling each row before the sum keeps every partial sum within the range
     # of the inputs (the weights sum to 1), so a finite input cannot overflow.
     scaled = [r * w for r, w in zip(rows, norm, strict=True)]
-    return kernels.mean_reduce(scaled, op="sum", accumulate_dtype=np.float64, backend=backend)
+    total: np.ndarray = kernels.mean_reduce(scaled, op="sum", accumulate_dtype=np.float64, backend=backend)
+    return total
 
 
 def combine(

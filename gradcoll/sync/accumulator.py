@@ -52,11 +52,16 @@ class AccumulatorConfig:
     backend: str | None = None  # kernel backend; None lets gradcoll choose
 
     def __post_init__(self) -> None:
-        try:
-            object.__setattr__(self, "strategy", Aggregation(self.strategy))
-        except ValueError:
-            names = ", ".join(a.value for a in Aggregation)
-            raise UsageError(f"unknown aggregation {self.strategy!r}; choose one of {names}") from None
+        object.__setattr__(self, "strategy", _as_aggregation(self.strategy))
+
+
+def _as_aggregation(value: Aggregation | str) -> Aggregation:
+    """``value`` as an :class:`Aggregation`; a UsageError naming the choices when unknown."""
+    try:
+        return Aggregation(value)
+    except ValueError:
+        names = ", ".join(a.value for a in Aggregation)
+        raise UsageError(f"unknown aggregation {value!r}; choose one of {names}") from None
 
 
 def aggregate_gradients(
@@ -69,7 +74,7 @@ def aggregate_gradients(
     session_id: str = "",
 ) -> np.ndarray:
     """Combine ``{peer_id: gradient}`` into one float32 vector (peers reduced in sorted-id order)."""
-    strategy = AccumulatorConfig(strategy=strategy).strategy
+    strategy = _as_aggregation(strategy)
     if not contributions:
         raise UsageError("aggregate needs at least one contribution, got none")
     where = f"session {session_id!r}: " if session_id else ""
@@ -89,9 +94,10 @@ def aggregate_gradients(
     if rows[0].size == 0:
         return np.empty(0, dtype=np.float32)
     try:
-        return kernels.mean_reduce(rows, op=op, check_finite=check_finite, backend=backend, accumulate_dtype=acc)
+        result: np.ndarray = kernels.mean_reduce(rows, op=op, check_finite=check_finite, backend=backend, accumulate_dtype=acc)
     except NonFiniteError as exc:
         raise _name_peer(exc, peers, contributions, where, strategy) from exc
+    return result
 
 
 def _weighted_rows(

@@ -74,7 +74,8 @@ def store_gradient_as_arrow(values: Any) -> bytes:
     sink = pa.BufferOutputStream()
     with pa.ipc.new_file(sink, schema) as writer:
         writer.write_batch(batch)
-    return sink.getvalue().to_pybytes()
+    data: bytes = sink.getvalue().to_pybytes()
+    return data
 
 
 def load_gradient_from_arrow(data: Any) -> np.ndarray:

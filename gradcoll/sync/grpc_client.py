@@ -114,7 +114,7 @@ class GradientSyncClient:
             request = dataclasses.replace(request, peer_id=new_peer_id())
         return SyncStream(self._run(request))
 
-    async def sync_gradients(self, request: GradientSyncRequest, sink: asyncio.Queue) -> SyncSummary:
+    async def sync_gradients(self, request: GradientSyncRequest, sink: asyncio.Queue[GradientChunkResponse | None]) -> SyncSummary:
         """Stream the session's chunks onto ``sink``, then ``None``; return the summary."""
         return await self.stream(request).pump(sink, self.send_timeout)
 

@@ -116,6 +116,7 @@ class GradientSyncServer:
         server = grpc.aio.server(options=options)
         handler = grpc.unary_stream_rpc_method_handler(self._sync)  # raw bytes in and out: we parse
         server.add_generic_rpc_handlers((grpc.method_handlers_generic_handler(SERVICE, {"SyncGradients": handler}),))
+        bound: int  # grpc's add_*_port return the bound port, 0 on failure
         try:
             if self._credentials is None:
                 bound = server.add_insecure_port(self.address)

@@ -201,7 +201,7 @@ def reassemble_all(chunks: Iterable[GradientChunkResponse]) -> dict[str, np.ndar
 class SyncStream:
     """Async iterator over a sync call's chunks; ``summary`` is set once it is exhausted."""
 
-    def __init__(self, source: AsyncIterator[Any]) -> None:
+    def __init__(self, source: AsyncIterator[GradientChunkResponse | SyncSummary]) -> None:
         self._source = source
         self.summary: SyncSummary | None = None
 
@@ -233,7 +233,7 @@ class SyncStream:
     async def __aexit__(self, *exc: Any) -> None:
         await self.aclose()
 
-    async def pump(self, sink: asyncio.Queue, send_timeout: float) -> SyncSummary:
+    async def pump(self, sink: asyncio.Queue[GradientChunkResponse | None], send_timeout: float) -> SyncSummary:
         """Put every chunk on ``sink``, then the ``None`` sentinel (also on error); return the summary."""
         finished = False
         try:
@@ -280,7 +280,7 @@ class SyncStream:
         return SyncResult(self.summary, local, grads, agg)
 
 
-async def _put(sink: asyncio.Queue, item: GradientChunkResponse | None, send_timeout: float) -> None:
+async def _put(sink: asyncio.Queue[GradientChunkResponse | None], item: GradientChunkResponse | None, send_timeout: float) -> None:
     try:
         await asyncio.wait_for(sink.put(item), send_timeout)
     except asyncio.TimeoutError:
@@ -288,7 +288,7 @@ async def _put(sink: asyncio.Queue, item: GradientChunkResponse | None, send_tim
         raise CollectiveTimeout(f"the sink took nothing for {send_timeout}s ({what})", op="sync_gradients") from None
 
 
-def _close_sink(sink: asyncio.Queue) -> None:
+def _close_sink(sink: asyncio.Queue[GradientChunkResponse | None]) -> None:
     # After an error the sentinel must still reach the consumer, or it waits
     # forever; a full bounded queue drops its oldest chunk to make room (the
     # stream failed, so that chunk is worthless anyway).

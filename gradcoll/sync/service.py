@@ -90,7 +90,7 @@ class GradientSyncService:
 
     # ---- public API -------------------------------------------------------
 
-    async def sync_gradients(self, request: GradientSyncRequest, sink: asyncio.Queue) -> SyncSummary:
+    async def sync_gradients(self, request: GradientSyncRequest, sink: asyncio.Queue[GradientChunkResponse | None]) -> SyncSummary:
         """Stream the session's chunks onto ``sink`` (an asyncio.Queue), then ``None``; return the summary."""
         return await self.stream(request).pump(sink, self.send_timeout)
 

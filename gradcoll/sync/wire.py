@@ -71,7 +71,7 @@ def _field(header: dict[str, Any], name: str, kinds: tuple[type, ...], what: str
 
 
 def _u32(header: dict[str, Any], name: str, what: str) -> int:
-    v = _field(header, name, (int,), what)
+    v: int = _field(header, name, (int,), what)
     if not 0 <= v <= _U32:
         raise ProtocolError(f"{what} header field {name!r}={v} is outside [0, 2**32)")
     return v

@@ -127,7 +127,7 @@ class ShmTransport(fr.FramedTransport):
     _eager_pull = True
 
     def __init__(self, rank: int, size: int, links: dict[int, _RingLink], timeout: float = 300.0) -> None:
-        super().__init__(rank, size, links, timeout)
+        super().__init__(rank, size, dict(links), timeout)
         self._rings = list(links.values())
         # Ranks that are threads of this process share the GIL, and ranks that
         # outnumber the cores (every shm rank is on this host) share cores:
@@ -278,7 +278,7 @@ class ShmTransport(fr.FramedTransport):
         for link in self._rings:
             link.out.release()
             link.inp.release()
-            link.ctl = None
+            link.ctl.release()
             link.seg.release()
 
 
@@ -394,7 +394,7 @@ def _attach(store: Store, key: str, directory: str, host: str, rank: int, peer: 
             break
         except FileNotFoundError:
             if deadline.expired():
-                raise TransportBroken(f"rank {rank}: segment {name} of peer {peer} vanished", rank=rank, peer=peer)
+                raise TransportBroken(f"rank {rank}: segment {name} of peer {peer} vanished", rank=rank, peer=peer) from None
         time.sleep(delay)  # a stale name from an earlier group: wait for the new one
         delay = min(2 * delay, 0.1)
     try:

@@ -28,6 +28,7 @@ import secrets
 import select
 import socket
 import time
+from typing import cast
 
 from ..errors import CollectiveTimeout, ProtocolError, TransportBroken, TransportClosed, UsageError
 from ..store import Store
@@ -91,7 +92,7 @@ class TcpTransport(fr.FramedTransport):
         for s in socks.values():
             s.setblocking(False)
         super().__init__(rank, size, {p: _SockLink(p, s) for p, s in socks.items()}, timeout)
-        self._peers = [ln for ln in self._links if ln is not None]
+        self._peers: list[_SockLink] = [cast(_SockLink, ln) for ln in self._links if ln is not None]
         self._poll = select.poll()
         self._wake_r, self._wake_w = socket.socketpair()
         self._wake_r.setblocking(False)
@@ -204,7 +205,8 @@ class TcpTransport(fr.FramedTransport):
     def _send_failed(self, link: _SockLink, e: OSError) -> None:
         # EPIPE/ECONNRESET also follow an orderly close; if the peer's CLOSE
         # frame is next in the stream, report "closed", not "broken".
-        cls, reason = TransportBroken, f"link broke ({e.strerror or e})"
+        cls: type[TransportBroken | TransportClosed] = TransportBroken
+        reason = f"link broke ({e.strerror or e})"
         if not (link.recvq and link.recvq[0].off):
             try:
                 head = link.sock.recv(_HDR, socket.MSG_PEEK | socket.MSG_DONTWAIT)
