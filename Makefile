@@ -5,7 +5,7 @@ PY := $(VENV)/bin/python
 STAMP := $(VENV)/.gradcoll-installed
 SRC_DEPS := pyproject.toml setup.py gradcoll/_kernels/_cython_kernels.pyx
 
-.PHONY: test demo bench docs fuzz install clean
+.PHONY: test demo bench docs fuzz faults install clean
 
 $(PY):
 	$(PYTHON) -m venv $(VENV)
@@ -29,6 +29,13 @@ bench: $(STAMP)
 
 fuzz: $(STAMP)
 	GRADCOLL_FUZZ_EXAMPLES=20000 $(PY) -m pytest -q tests/fuzz -p no:cacheprovider
+
+# The whole fault matrix 3 times, the 10,000-call soak, then the table of docs/reliability.md.
+faults: $(STAMP)
+	mkdir -p build && rm -f build/faults.jsonl
+	GRADCOLL_FAULTS=full GRADCOLL_FAULT_REPEATS=3 GRADCOLL_SOAK_ITERS=10000 GRADCOLL_FAULT_LOG=$(CURDIR)/build/faults.jsonl \
+		$(PY) -m pytest -q tests/faults tests/test_soak.py -p no:cacheprovider
+	$(PY) benches/faults_report.py build/faults.jsonl docs/reliability.md
 
 docs: $(STAMP)
 	NO_MKDOCS_2_WARNING=1 $(VENV)/bin/mkdocs build --strict -d site

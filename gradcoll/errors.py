@@ -21,6 +21,7 @@ __all__ = [
     "CollectiveTimeout",
     "CollectiveMismatch",
     "GroupPoisoned",
+    "ShrinkFailed",
     "BackendUnavailable",
 ]
 
@@ -129,3 +130,7 @@ class CollectiveMismatch(GradcollError):
 
 class GroupPoisoned(GradcollError, RuntimeError):
     """A previous collective failed; the group must be rebuilt before reuse."""
+
+
+class ShrinkFailed(GradcollError, RuntimeError):
+    """``ProcessGroup.shrink()`` could not agree on a smaller group (excluded, no decision, second failure)."""

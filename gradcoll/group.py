@@ -40,7 +40,9 @@ from .algorithms import ALLREDUCE, allgather, barrier, broadcast, reduce_scatter
 from .algorithms._common import REDUCE_DTYPES, Workspace, check_op
 from .algorithms.ring import SEGMENT_BYTES
 from .buffers import as_buffer, is_device_array
+from .diagnosis import ControlChannel, Diagnostics
 from .errors import CollectiveTimeout, GroupPoisoned, TransportClosed, UsageError
+from .trace import GroupStats
 from .transport.base import Transport
 
 __all__ = ["ProcessGroup", "Work"]
@@ -113,6 +115,13 @@ def _writable(buf: Any, *, reduce: bool, what: str = "buf") -> tuple[np.ndarray,
     return work, lambda: np.copyto(buf, work)
 
 
+def _half(buf: Any, op: str) -> bool:
+    """True for a float16/bfloat16 NumPy buffer summed or averaged: it travels as itself, accumulated in float32."""
+    if not isinstance(buf, np.ndarray) or op not in ("mean", "sum"):
+        return False
+    return bool(buf.dtype == np.float16 or buf.dtype.name == "bfloat16")
+
+
 class ProcessGroup:
     """Collectives over ``transport``: ``allreduce``, ``broadcast``, ``allgather``, ... (see module doc).
 
@@ -120,10 +129,21 @@ class ProcessGroup:
     peer; ``segment_bytes`` is the ring's pipeline segment; ``kernel_backend``
     pins the reduction kernels (``"cython"``, ``"numba"``, ``"numpy"``; None
     lets :mod:`gradcoll.kernels` choose).
+
+    ``stall_warning_s`` (default 10 s; None turns it off): a collective that
+    has run this long logs, on logger ``"gradcoll"``, which ranks have arrived
+    and which have not, and keeps waiting (:mod:`gradcoll.diagnosis`).
+    ``trace``: record a Chrome trace from the start and write it at
+    :meth:`close` (each rank to its own file, see :func:`gradcoll.trace.trace_path`).
+    ``stats_window``: how many recent records :meth:`stats` keeps. ``control``
+    is the control channel :func:`~gradcoll.rendezvous.init_process_group`
+    sets up (stall reports from peers, :meth:`shrink`).
     """
 
     def __init__(self, transport: Transport, *, timeout: float | None = None,
-                 segment_bytes: int = SEGMENT_BYTES, kernel_backend: str | None = None) -> None:
+                 segment_bytes: int = SEGMENT_BYTES, kernel_backend: str | None = None,
+                 stall_warning_s: float | None = 10.0, trace: str | None = None, stats_window: int = 1024,
+                 control: ControlChannel | None = None) -> None:
         self.transport = transport
         self.kernel_backend = kernel_backend
         self._pinned: dict[tuple[int, str], tuple[np.ndarray, np.ndarray]] = {}
@@ -139,6 +159,8 @@ class ProcessGroup:
         self._closed = False
         self._poison: tuple[str, int, BaseException] | None = None
         self._ws = Workspace()
+        self._diag = Diagnostics(self, stall_warning_s=stall_warning_s, trace=trace, window=stats_window,
+                                 control=control)
 
     # -- state -------------------------------------------------------------
     @property
@@ -162,7 +184,7 @@ class ProcessGroup:
             ) from exc
 
     # -- execution ---------------------------------------------------------
-    def _submit(self, name: str, job: Callable[[int], Any], async_op: bool, nseq: int = 1) -> Any:
+    def _submit(self, name: str, job: Callable[[int], Any], async_op: bool, nseq: int = 1, nbytes: int = 0) -> Any:
         with self._lock:
             self._raise_if_unusable()
             seq = self._seq
@@ -172,7 +194,7 @@ class ProcessGroup:
                 self._busy = True
             else:
                 work = Work(name, seq)
-                self._queue.append((work, lambda: self._run(name, seq, job)))
+                self._queue.append((work, lambda: self._run(name, seq, job, nbytes)))
                 if self._worker is None:
                     self._worker = threading.Thread(target=self._serve, name=f"gradcoll-rank{self.rank}", daemon=True)
                     self._worker.start()
@@ -180,26 +202,32 @@ class ProcessGroup:
         if not inline:
             return work if async_op else work.wait()
         try:
-            return self._call(name, seq, job)  # usability was checked under the lock above
+            return self._call(name, seq, job, nbytes)  # usability was checked under the lock above
         finally:
             with self._lock:
                 self._busy = False
                 if self._worker is not None:  # the only thread that waits on the lock
                     self._lock.notify_all()
 
-    def _run(self, name: str, seq: int, job: Callable[[int], Any]) -> Any:
+    def _run(self, name: str, seq: int, job: Callable[[int], Any], nbytes: int) -> Any:
         with self._lock:
             self._raise_if_unusable()
-        return self._call(name, seq, job)
+        return self._call(name, seq, job, nbytes)
 
-    def _call(self, name: str, seq: int, job: Callable[[int], Any]) -> Any:
+    def _call(self, name: str, seq: int, job: Callable[[int], Any], nbytes: int = 0) -> Any:
+        rec, ok = self._diag.rec, False
+        rec.begin(name, seq, nbytes, self.transport.blocked_s)
         try:
-            return job(seq)
+            result = job(seq)
+            ok = True
+            return result
         except BaseException as exc:
             with self._lock:
                 if self._poison is None:
                     self._poison = (name, seq, exc)
             raise
+        finally:
+            rec.end(self.transport.blocked_s, ok)
 
     def _serve(self) -> None:
         while True:
@@ -226,7 +254,8 @@ class ProcessGroup:
 
     # -- collectives -------------------------------------------------------
     def allreduce(self, buf: np.ndarray, op: str = "mean", algorithm: str = "auto", check_finite: bool = True,
-                  async_op: bool = False, timeout: float | None = None) -> Any:
+                  async_op: bool = False, timeout: float | None = None, *, wire_dtype: str | None = None,
+                  deterministic: bool = False) -> Any:
         """Reduce ``buf`` across all ranks in place (mean, sum, max or min); returns ``buf`` (or a Work).
 
         ``buf`` may be a NumPy array, a PyTorch CPU tensor, a DLPack or buffer
@@ -234,7 +263,16 @@ class ProcessGroup:
         are staged through a reusable pinned host buffer, every rank's
         contribution is gathered, and the reduction runs on the device with the
         fused CUDA kernel (see docs/transports.md, GPU buffers).
+
+        ``wire_dtype="bf16"|"fp16"`` sends float32 as half the bytes and
+        accumulates in float32 (docs/algorithms/wire.md); float16 and bfloat16
+        buffers always take that path for mean and sum. ``deterministic=True``
+        returns the same bits under any algorithm, world layout or arrival
+        order (docs/algorithms/deterministic.md).
         """
+        if wire_dtype is not None or deterministic or _half(buf, op):
+            return self._precise_allreduce(buf, op, algorithm, check_finite, async_op, timeout, wire_dtype,
+                                           deterministic)
         if is_device_array(buf):
             return self._device_allreduce(buf, op, check_finite, async_op, timeout)
         work, writeback = _writable(buf, reduce=True)
@@ -250,7 +288,37 @@ class ProcessGroup:
             writeback()
             return buf
 
-        return self._submit(f"{algo} allreduce", job, async_op)
+        return self._submit(f"{algo} allreduce", job, async_op, nbytes=work.nbytes)
+
+    def _precise_allreduce(self, buf: Any, op: str, algorithm: str, check_finite: bool, async_op: bool,
+                           timeout: float | None, wire: str | None, deterministic: bool) -> Any:
+        """The low-precision wire path or the bitwise-reproducible path (see :meth:`allreduce`)."""
+        from .algorithms.deterministic import deterministic_allreduce
+        from .algorithms.wire import wire_allreduce, wire_of
+
+        if not isinstance(buf, np.ndarray):
+            buf = as_buffer(buf, writable=True, what="buf").array
+        if deterministic and wire is not None:
+            raise UsageError("deterministic=True and wire_dtype= cannot be combined")
+        if op not in ("mean", "sum"):
+            raise UsageError(f"wire_dtype= and deterministic= take op 'mean' or 'sum', got {op!r}")
+        work, writeback = _writable(buf, reduce=False)
+        algo = self._pick(algorithm, work.nbytes)
+        limit = self._timeout(timeout)
+        fn: Callable[..., Any] = deterministic_allreduce
+        kw: dict[str, Any] = {"segment_bytes": self.segment_bytes} if algo == "ring" else {}
+        nseq, name = 2, f"deterministic {algo} allreduce"
+        if not deterministic:
+            fmt = wire_of(work, wire)
+            fn, nseq, name, kw = wire_allreduce, 1, f"{algo} allreduce ({fmt} wire)", {"wire": fmt}
+
+        def job(seq: int) -> Any:
+            fn(self.transport, work, algorithm=algo, op=op, check_finite=check_finite, seq=seq, timeout=limit,
+               workspace=self._ws, backend=self.kernel_backend, **kw)
+            writeback()
+            return buf
+
+        return self._submit(name, job, async_op, nseq=nseq, nbytes=work.nbytes)
 
     def _device_allreduce(self, buf: Any, op: str, check_finite: bool, async_op: bool, timeout: float | None) -> Any:
         """Allreduce of a device array: stage to pinned host memory, allgather, reduce on the device."""
@@ -284,7 +352,7 @@ class ProcessGroup:
                 flat.copy_to_device(red)
             return buf
 
-        return self._submit("device allreduce", job, async_op)
+        return self._submit("device allreduce", job, async_op, nbytes=int(dev.nbytes))
 
     def allreduce_many(self, arrays: Sequence[np.ndarray], op: str = "mean", algorithm: str = "auto",
                        check_finite: bool = True, async_op: bool = False, timeout: float | None = None) -> Any:
@@ -315,7 +383,8 @@ class ProcessGroup:
                     a[...] = fused[lo:hi].reshape(a.shape)
             return arrays
 
-        return self._submit("allreduce_many", job, async_op, nseq=max(1, len(plans)))
+        return self._submit("allreduce_many", job, async_op, nseq=max(1, len(plans)),
+                            nbytes=sum(a.nbytes for a in arrays))
 
     def broadcast(self, buf: np.ndarray, root: int = 0, async_op: bool = False,
                   timeout: float | None = None) -> Any:
@@ -330,7 +399,7 @@ class ProcessGroup:
             writeback()
             return buf
 
-        return self._submit("broadcast", job, async_op)
+        return self._submit("broadcast", job, async_op, nbytes=work.nbytes)
 
     def allgather(self, buf: np.ndarray, out: np.ndarray | None = None, async_op: bool = False,
                   timeout: float | None = None) -> Any:
@@ -351,7 +420,7 @@ class ProcessGroup:
             writeback()
             return out
 
-        return self._submit("allgather", job, async_op)
+        return self._submit("allgather", job, async_op, nbytes=src.nbytes)
 
     def reduce_scatter(self, buf: np.ndarray, op: str = "mean", check_finite: bool = True,
                        async_op: bool = False, timeout: float | None = None) -> Any:
@@ -370,7 +439,7 @@ class ProcessGroup:
             return reduce_scatter(self.transport, buf, op=op, check_finite=check_finite, seq=seq, timeout=limit,
                                   segment_bytes=self.segment_bytes, workspace=self._ws, backend=self.kernel_backend)
 
-        return self._submit("reduce_scatter", job, async_op)
+        return self._submit("reduce_scatter", job, async_op, nbytes=buf.nbytes)
 
     def barrier(self, async_op: bool = False, timeout: float | None = None) -> Any:
         """Block until every rank has reached the barrier."""
@@ -383,6 +452,31 @@ class ProcessGroup:
         if algorithm not in ALLREDUCE:
             raise UsageError(f"unknown allreduce algorithm {algorithm!r}; known: auto, {', '.join(ALLREDUCE)}")
         return algorithm
+
+    # -- diagnosis and membership -------------------------------------------
+    def stats(self) -> GroupStats:
+        """Counts, bytes and times per operation since the group was built, plus the recent records."""
+        return self._diag.rec.stats()
+
+    def start_trace(self) -> None:
+        """Start recording a Chrome trace of this rank's collectives (see :mod:`gradcoll.trace`)."""
+        self._diag.rec.start_trace()
+
+    def stop_trace(self, path: str) -> str | None:
+        """Stop recording and write this rank's trace; returns the file written (``.rankN`` inserted)."""
+        return self._diag.rec.stop_trace(path)
+
+    def shrink(self, timeout: float | None = None) -> "ProcessGroup":
+        """After a failure: agree with the surviving ranks on the members left; return their new group.
+
+        Every survivor must call it. This group is closed; the new one has the
+        survivors renumbered in old rank order and sequence numbers from 0.
+        Raises ShrinkFailed when no agreement is reached within ``timeout``
+        (default the group's) or this rank was left out. See :mod:`gradcoll.shrink`.
+        """
+        from .shrink import shrink
+
+        return shrink(self, timeout)  # type: ignore[no-any-return]
 
     # -- lifetime ----------------------------------------------------------
     def close(self) -> None:
@@ -398,6 +492,7 @@ class ProcessGroup:
             work._finish(None, TransportClosed(
                 f"rank {self.rank}: process group closed before {work.name} (seq {work.seq}) ran", rank=self.rank))
         self.transport.close()
+        self._diag.close()
         worker = self._worker
         if worker is not None and worker is not threading.current_thread():
             worker.join(timeout=5.0)

@@ -13,6 +13,11 @@ picks the fastest for the buffer; ``GRADCOLL_KERNELS`` overrides it.
 Non-contiguous *inputs* are copied to contiguous memory first (an extra pass);
 ``out`` and the in-place buffers of :func:`accumulate`, :func:`scale` must be
 C-contiguous. float16 inputs are accumulated in float32.
+
+The wire kernels (:func:`encode_wire`, :func:`decode_wire`,
+:func:`accumulate_wire`) convert float32 to and from ``bf16``/``fp16`` bit
+patterns held in uint16 arrays and fuse the widening into the float32
+accumulation and the finite check (numba, NumPy reference, CUDA).
 """
 
 from __future__ import annotations
@@ -24,7 +29,14 @@ from typing import Any
 import numpy as np
 
 from ._kernels import reference
-from ._kernels.select import SMALL_ELEMS, available_backends, choose_backend, env_override_set, load_backend
+from ._kernels.select import (
+    SMALL_ELEMS,
+    available_backends,
+    choose_backend,
+    env_override,
+    env_override_set,
+    load_backend,
+)
 from .errors import NonFiniteError, UsageError
 
 __all__ = [
@@ -35,6 +47,10 @@ __all__ = [
     "available_backends",
     "select_backend",
     "warmup",
+    "encode_wire",
+    "decode_wire",
+    "accumulate_wire",
+    "WIRE_DTYPES",
     "NonFiniteError",
 ]
 
@@ -270,3 +286,111 @@ def warmup(backends: Sequence[str] | None = None) -> list[str]:
     for name in names:
         load_backend(name).warmup()
     return names
+
+
+# -- low-precision wire (bf16 / fp16 transfer, float32 accumulation) -----------------
+#: Wire formats of :func:`encode_wire` / :func:`accumulate_wire`.
+WIRE_DTYPES = ("bf16", "fp16")
+
+
+def _wire_backend(backend: str | None, device: bool = False) -> Any:
+    """The module implementing the wire kernels: numba (default), the NumPy reference, or CUDA."""
+    if device:
+        return choose_backend(0, device=True, backend=backend)
+    name = backend or env_override()
+    if name in ("numpy", "cuda", "cudasim"):
+        return reference_wire() if name == "numpy" else load_backend(name).WIRE
+    try:
+        load_backend("numba")  # the registry keeps the original error if it fails
+    except Exception:  # noqa: BLE001 - no JIT here: the reference is correct, only slower
+        return reference_wire()
+    from ._kernels import numba_wire
+
+    return numba_wire
+
+
+def reference_wire() -> Any:
+    """The NumPy oracle of the wire kernels."""
+    from ._kernels import wire_reference
+
+    return wire_reference
+
+
+def _check_wire(wire: str) -> str:
+    if wire not in WIRE_DTYPES:
+        raise UsageError(f"wire must be one of {', '.join(WIRE_DTYPES)}; got {wire!r}")
+    return wire
+
+
+def _wire_arrays(f32: Any, u16: Any, what: str) -> tuple[np.ndarray, np.ndarray]:
+    a, w = np.asarray(f32), np.asarray(u16)
+    if a.dtype != np.float32 or w.dtype != np.uint16:
+        raise UsageError(f"{what}: needs a float32 and a uint16 array, got {a.dtype} and {w.dtype}")
+    if a.size != w.size:
+        raise UsageError(f"{what}: {a.size} float32 elements but {w.size} wire elements")
+    if not (a.flags.c_contiguous and w.flags.c_contiguous):
+        raise UsageError(f"{what}: buffers must be C-contiguous")
+    return a.reshape(-1), w.reshape(-1)
+
+
+def encode_wire(src: Any, dst: Any = None, wire: str = "bf16", *, check_finite: bool = True,
+                backend: str | None = None) -> Any:
+    """Round float32 ``src`` to ``wire`` (nearest even) into uint16 ``dst`` in one pass; returns ``dst``.
+
+    Raises :class:`NonFiniteError` if an encoded value is Inf/NaN, including
+    a finite float32 that overflows the wire format (never sent as Inf).
+    """
+    _check_wire(wire)
+    if _is_device(src):
+        be = _wire_backend(backend, device=True)
+        return be.encode_wire_device(src, dst, wire, check_finite)
+    if dst is None:
+        dst = np.empty(np.shape(src), np.uint16)
+    a, w = _wire_arrays(src, dst, "encode_wire")
+    if not w.flags.writeable:
+        raise UsageError("encode_wire: dst must be writeable")
+    if not _wire_backend(backend).encode(a, w, wire, check_finite):
+        _explain_wire(a, w, wire, "encode_wire")
+    return dst
+
+
+def decode_wire(src: Any, dst: Any = None, wire: str = "bf16", *, backend: str | None = None) -> Any:
+    """Widen uint16 ``src`` in ``wire`` to float32 ``dst`` (exact); returns ``dst``."""
+    _check_wire(wire)
+    if _is_device(src):
+        return _wire_backend(backend, device=True).decode_wire_device(src, dst, wire)
+    if dst is None:
+        dst = np.empty(np.shape(src), np.float32)
+    a, w = _wire_arrays(dst, src, "decode_wire")
+    _wire_backend(backend).decode(w, a, wire)
+    return dst
+
+
+def accumulate_wire(acc: Any, x: Any, wire: str, *, divide_by: float | None = None, check_finite: bool = True,
+                    backend: str | None = None) -> Any:
+    """Fused ``acc += decode(x)`` in float32, then ``acc /= divide_by``, with the finite check; returns ``acc``."""
+    _check_wire(wire)
+    if divide_by is not None and divide_by == 0:
+        raise UsageError("divide_by must be non-zero")
+    if _is_device(acc):
+        be = _wire_backend(backend, device=True)
+        if not be.accumulate_wire_device(acc, x, wire, divide_by, check_finite):
+            raise NonFiniteError("accumulate_wire (cuda): the float32 accumulator holds NaN/Inf", contributor=None)
+        return acc
+    a, w = _wire_arrays(acc, x, "accumulate_wire")
+    if not a.flags.writeable:
+        raise UsageError("accumulate_wire: acc must be writeable")
+    if not _wire_backend(backend).accumulate(a, w, wire, divide_by, check_finite):
+        dec = np.empty(w.size, np.float32)
+        reference_wire().decode(w, dec, wire)
+        _explain_accumulate(a, dec)
+    return acc
+
+
+def _explain_wire(a: np.ndarray, w: np.ndarray, wire: str, what: str) -> None:
+    mask = reference_wire().WIRES[wire]
+    i = int(np.flatnonzero((w & mask) == mask)[0])
+    value = float(a[i])
+    why = "overflows the wire format" if np.isfinite(value) else "is not finite"
+    raise NonFiniteError(f"{what}: value {value!r} at element {i} {why} ({wire})", contributor=0, index=i,
+                         value=value)

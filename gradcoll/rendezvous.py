@@ -134,6 +134,8 @@ def init_process_group(
     *,
     store: Store | None = None,
     kernel_backend: str | None = None,
+    stall_warning_s: float | None = 10.0,
+    trace: str | None = None,
     **transport_options: Any,
 ) -> ProcessGroup:
     """Join a group of ``world_size`` ranks over transport ``backend`` and return its ProcessGroup.
@@ -149,6 +151,10 @@ def init_process_group(
     core, and threaded kernels in several ranks on one host fight for the
     cores (measured 10-30x slower on 2 cores). Pass ``kernel_backend="numba"``
     when one rank owns several cores.
+    ``stall_warning_s`` and ``trace`` go to the ProcessGroup (stall warnings,
+    Chrome trace path). The group also gets a control channel (a UDP socket
+    per rank on the tcp ``host`` option, default 127.0.0.1) for stall reports
+    and ``shrink()``; see :mod:`gradcoll.diagnosis`.
     Raises BackendUnavailable if that module is missing, UsageError for a
     missing rank/size or a bad init_method, CollectiveTimeout if the others
     do not show up within ``timeout`` seconds.
@@ -164,7 +170,7 @@ def init_process_group(
         raise UsageError("rank and world_size must be given or set by the launcher (RANK and WORLD_SIZE, ...)")
     if world_size < 1 or not 0 <= rank < world_size:
         raise UsageError(f"rank {rank} out of range for world size {world_size}")
-    module = _load_backend(backend)
+    _load_backend(backend)
     owned = store is None
     if store is None:
         where = parse_init_method(init_method)
@@ -173,17 +179,36 @@ def init_process_group(
         else:
             store = TCPStore(where.host, where.port, is_master=rank == 0, timeout=timeout)
     try:
-        ns = PrefixStore(f"gradcoll/{backend}", store)
-        transport = module.create(ns, rank, world_size, timeout=timeout, **transport_options)
-        try:
-            _meet(ns, rank, world_size, timeout)
-        except BaseException:
-            transport.close()
-            raise
+        return _connect(PrefixStore(f"gradcoll/{backend}", store), backend, rank, world_size, timeout=timeout,
+                        group_timeout=timeout, kernel_backend=kernel_backend, transport_options=transport_options,
+                        group_options={"stall_warning_s": stall_warning_s, "trace": trace})
     finally:
         if owned:
             store.close()  # the TCPStore master lingers until the other ranks have disconnected
-    return ProcessGroup(transport, timeout=timeout, kernel_backend=kernel_backend)
+
+
+def _connect(ns: Store, backend: str, rank: int, size: int, *, timeout: float, group_timeout: float,
+             kernel_backend: str | None, transport_options: dict[str, Any], group_options: dict[str, Any],
+             control_host: str | None = None, generation: int = 0) -> ProcessGroup:
+    """Connect the transport and the control channel through ``ns`` and return the group (init and shrink)."""
+    from .diagnosis import open_control
+
+    module = _load_backend(backend)
+    transport = module.create(ns, rank, size, timeout=timeout, **transport_options)
+    try:
+        host = control_host or str(transport_options.get("host") or "127.0.0.1")
+        control = open_control(ns, rank, size, timeout=timeout, host=host, backend=backend,
+                               options=transport_options, generation=generation)
+        try:
+            _meet(ns, rank, size, timeout)
+        except BaseException:
+            control.close()
+            raise
+    except BaseException:
+        transport.close()
+        raise
+    return ProcessGroup(transport, timeout=group_timeout, kernel_backend=kernel_backend, control=control,
+                        **group_options)
 
 
 def _meet(store: Store, rank: int, size: int, timeout: float) -> None:

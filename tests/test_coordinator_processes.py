@@ -98,7 +98,8 @@ def test_a_killed_worker_process_aborts_the_others():
             srv.send_shard_assignments(0)
             procs[0].kill()  # the "victim" process, waiting for its next shard
             procs[0].join(10)
-            with pytest.raises(TransportBroken, match=rf"worker {victim_id} \(node .*\) failed: .*closed the connection"):
+            # A kill is seen as EOF or, if the victim had unread input, as a reset: both name the worker.
+            with pytest.raises(TransportBroken, match=rf"worker {victim_id} \(node .*\) failed: .*(closed the connection|broke)"):
                 for b in reversed(range(NB)):
                     srv.broadcast_averaged_block(0, srv.collect_and_reduce_block(0, b))
             kind, name, text = _get(results)

@@ -9,6 +9,7 @@ house style ``rank 3: peer 4 closed the link during ring allreduce step 2/6
 
 from __future__ import annotations
 
+import time
 from typing import Any
 
 import numpy as np
@@ -215,10 +216,13 @@ class Coll:
 
     def wait(self, req: Request, peer: int) -> int:
         """Wait for ``req`` until the deadline of the current phase."""
+        t0 = time.perf_counter()
         try:
             n = req.wait(self.deadline.remaining())
         except (CollectiveTimeout, TransportClosed, TransportBroken, CollectiveMismatch) as exc:
             raise self.translate(exc, peer) from exc
+        finally:
+            self.t.blocked_s += time.perf_counter() - t0  # ProcessGroup.stats() "wait time"
         if self.pending:
             self.pending.pop(req, None)
         return n
@@ -233,7 +237,10 @@ class Coll:
 
     def sendrecv(self, peer: int, sendbuf: Any, recvbuf: Any, tag: int) -> None:
         """Exchange with ``peer`` (both directions in flight at once; the transport's own fast path)."""
+        t0 = time.perf_counter()
         try:
             self.t.sendrecv(peer, sendbuf, peer, recvbuf, tag, self.deadline.remaining())
         except (CollectiveTimeout, TransportClosed, TransportBroken, CollectiveMismatch) as exc:
             raise self.translate(exc, peer) from exc
+        finally:
+            self.t.blocked_s += time.perf_counter() - t0

@@ -35,12 +35,20 @@ __all__ = ["OpSpec", "StageSpec", "Stage", "BoundOp", "compile_stage", "bind", "
 _DTYPES = ("float16", "float32", "float64")
 
 
+def is_finite_number(value: int | float) -> bool:
+    """math.isfinite that treats integers too large for a float as not finite (instead of raising)."""
+    try:
+        return math.isfinite(value)
+    except OverflowError:
+        return False
+
+
 def check_dtype(dtype: Any) -> str:
     """The canonical name of a float activation dtype, or UsageError."""
     name: str | None
     try:
         name = np.dtype(dtype).name
-    except TypeError:
+    except (TypeError, ValueError):
         name = None
     if name is None or name not in _DTYPES:
         raise UsageError(f"dtype must be one of {', '.join(_DTYPES)}, got {dtype!r}")
@@ -68,7 +76,7 @@ class OpSpec:
                              + ", ".join(filter(None, (_which("unknown", unknown), _which("missing", missing)))))
         for name, value in args.items():
             if name in defn.scalars:
-                if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value):
+                if isinstance(value, bool) or not isinstance(value, (int, float)) or not is_finite_number(value):
                     raise UsageError(f"op {self.op!r}: {name} must be a finite number, got {value!r}")
             elif not isinstance(value, str) or not value:
                 raise UsageError(f"op {self.op!r}: {name} must be a non-empty string reference, got {value!r}")
@@ -107,8 +115,8 @@ def _which(what: str, names: set[str]) -> str:
 
 def parse_ops(ops: Iterable[Any]) -> tuple[OpSpec, ...]:
     """Ops from OpSpecs or their JSON dicts."""
-    if isinstance(ops, (str, bytes, Mapping)):
-        raise UsageError("ops must be a list of ops")
+    if isinstance(ops, (str, bytes, Mapping)) or not isinstance(ops, Iterable):
+        raise UsageError(f"ops must be a list of ops, got {type(ops).__name__}")
     return tuple(o if isinstance(o, OpSpec) else OpSpec.from_dict(o) for o in ops)
 
 

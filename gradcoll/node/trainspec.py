@@ -25,7 +25,6 @@ outputs logits).
 from __future__ import annotations
 
 import json
-import math
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field, replace
 from typing import Any
@@ -34,7 +33,7 @@ import numpy as np
 
 from ..errors import UsageError
 from .ops import OPS
-from .stage import OpSpec, check_dtype, parse_ops
+from .stage import OpSpec, check_dtype, is_finite_number, parse_ops
 
 __all__ = ["DataSpec", "TrainSpec", "LOSSES"]
 
@@ -49,7 +48,7 @@ def _int(name: str, v: Any, lo: int) -> int:
 
 
 def _num(name: str, v: Any) -> float:
-    if isinstance(v, bool) or not isinstance(v, (int, float)) or not math.isfinite(v):
+    if isinstance(v, bool) or not isinstance(v, (int, float)) or not is_finite_number(v):
         raise UsageError(f"{name} must be a finite number, got {v!r}")
     return float(v)
 
@@ -130,11 +129,11 @@ class TrainSpec:
     def __post_init__(self) -> None:
         object.__setattr__(self, "ops", parse_ops(self.ops))
         params = _pairs(self.params)
-        names = [p[0] for p in params]
         if not params or any(len(p) != 2 or not all(isinstance(s, str) and s for s in p) for p in params) \
-                or len(set(names)) != len(names):
+                or len({p[0] for p in params}) != len(params):
             raise UsageError(f"params must be distinct (name, uri) string pairs, got {self.params!r}")
         object.__setattr__(self, "params", params)
+        names = {p[0] for p in params}
         for i, o in enumerate(self.ops):
             for arg, ref in o.args:
                 if arg not in OPS[o.op].scalars and ref not in names:

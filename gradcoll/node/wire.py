@@ -139,8 +139,8 @@ def recv_message(group: ProcessGroup, peer: int, *, control: NodeControl | None 
         return Message(ERROR, raw.decode(errors="replace"))
     try:
         doc = json.loads(raw.decode())
-    except (UnicodeDecodeError, json.JSONDecodeError) as exc:
-        raise ProtocolError(f"{where}: body is not valid JSON ({exc})") from exc
+    except (UnicodeDecodeError, ValueError, RecursionError) as exc:  # ValueError covers JSONDecodeError and huge ints
+        raise ProtocolError(f"{where}: body is not valid JSON ({type(exc).__name__}: {str(exc)[:200]})") from None
     if not isinstance(doc, dict) or not isinstance(doc.get("type"), str):
         raise ProtocolError(f"{where}: JSON message without a \"type\"")
     return Message(JSON, doc)

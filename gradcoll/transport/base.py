@@ -95,6 +95,8 @@ class Transport(abc.ABC):
 
     #: Registered name (``"inproc"``, ``"tcp"``, ``"shm"``, ``"mpi"``).
     name: str = "abstract"
+    #: Seconds the collectives spent blocked waiting on this transport (``ProcessGroup.stats``).
+    blocked_s: float = 0.0
 
     def __init__(self, rank: int, size: int, timeout: float = 300.0) -> None:
         if size < 1:

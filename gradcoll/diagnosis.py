@@ -1,0 +1,321 @@
+"""Stall warnings, and the control channel that lets a stalled rank ask its peers where they are.
+
+A rank waiting in a collective knows directly only about the peers it is
+receiving from. To say which ranks have *arrived*, each group built by
+:func:`~gradcoll.rendezvous.init_process_group` gets a **control channel**:
+one UDP socket per rank, bound to the transport's host, whose addresses every
+rank learned through the bootstrap store. Nothing travels on it while all is
+well. The group's **monitor** thread (one per group) serves it and watches the
+running collective:
+
+* Once a collective has run ``stall_warning_s`` (default 10 s), the monitor
+  sends a ``QUERY`` (this rank's op, seq, size, time waited) to every peer.
+  Each peer's monitor answers at once with a ``STATUS`` (idle or running, its
+  seq and op, for how long, poisoned, shrinking): the answer comes from the
+  monitor thread, so a rank busy computing or blocked elsewhere still
+  answers. After the answers (at most about a second) the stalled rank logs,
+  on logger ``"gradcoll"`` at WARNING, which ranks have arrived, which have
+  not (and where they are), and which did not answer (dead or unreachable);
+  the collective keeps waiting until its timeout.
+* A rank that receives a QUERY for a collective it has not reached logs that
+  it is the one being waited for. So every rank, stalled or late, logs.
+
+Datagrams carry a random 8-byte group token (set by rank 0 at bootstrap), so
+a stray one from another group is ignored. Without a control channel (a
+group built directly on a transport) the warning gives this rank's own view
+only. The channel is also how survivors agree on membership after a failure
+(:mod:`gradcoll.shrink`). UDP across hosts may be filtered or lossy: the
+stall report then lists those peers under "no answer".
+"""
+
+from __future__ import annotations
+
+import logging
+import secrets
+import socket
+import struct
+import threading
+import time
+import weakref
+from collections.abc import Callable
+from typing import Any
+
+from .store import Store
+from .trace import Recorder
+
+__all__ = [
+    "ControlChannel", "Diagnostics", "Monitor", "open_control", "IDLE", "RUNNING", "POISONED", "SHRINKING", "CLOSED",
+]
+
+log = logging.getLogger("gradcoll")
+
+# Datagram: magic, version, kind, source rank, generation, group token, seq, seconds, bytes, state; then UTF-8 text.
+_MSG = struct.Struct("<4sBBHI8sqdQB")
+_MAGIC, _VERSION = b"GCCT", 1
+QUERY, STATUS, PING, JOIN, DECIDE, ACK, WAKE = 1, 2, 3, 4, 5, 6, 7
+IDLE, RUNNING, POISONED, SHRINKING, CLOSED = 0, 1, 2, 3, 4
+_STATE_NAMES = {IDLE: "idle", RUNNING: "running", POISONED: "poisoned", SHRINKING: "shrinking", CLOSED: "closed"}
+
+#: (state, seq, op name, bytes, seconds in that state) of one rank.
+Status = tuple[int, int, str, int, float]
+
+
+class ControlChannel:
+    """One rank's UDP endpoint of a group's control channel (see the module docstring)."""
+
+    def __init__(self, sock: socket.socket, rank: int, size: int, addrs: list[tuple[str, int]], token: bytes, *,
+                 host: str, backend: str, options: dict[str, Any], generation: int = 0) -> None:
+        self.sock, self.rank, self.size, self.addrs, self.token = sock, rank, size, addrs, token
+        self.host, self.backend, self.options, self.generation = host, backend, dict(options), generation
+        self.cv = threading.Condition()
+        self.state_fn: Callable[[], Status] = lambda: (IDLE, 0, "", 0, 0.0)
+        self.replies: dict[int, Status] = {}  # STATUS answers since the last query
+        self.heard: dict[int, float] = {}  # peer -> monotonic time of its last datagram
+        self.joined: set[int] = set()  # peers that called shrink()
+        self.decision: tuple[int, list[int], str, int] | None = None  # leader, members (old ranks), store host, port
+        self.acks: set[int] = set()
+        self._late_logged: set[int] = set()
+        self.closed = False
+
+    # -- sending -------------------------------------------------------------
+    def send(self, peer: int, kind: int, seq: int = -1, seconds: float = 0.0, nbytes: int = 0, state: int = 0,
+             text: str = "") -> None:
+        """Send one datagram to ``peer`` (best effort: errors are ignored)."""
+        data = _MSG.pack(_MAGIC, _VERSION, kind, self.rank, self.generation, self.token, seq, seconds, nbytes,
+                         state) + text.encode()[:1024]
+        try:
+            self.sock.sendto(data, self.addrs[peer])
+        except OSError:
+            pass
+
+    def send_status(self, peer: int) -> None:
+        """Answer ``peer`` with this rank's status."""
+        st, seq, name, nbytes, secs = self.state_fn()
+        self.send(peer, STATUS, seq, secs, nbytes, st, name)
+
+    # -- receiving -----------------------------------------------------------
+    def poll(self, timeout: float) -> None:
+        """Handle at most one datagram, waiting up to ``timeout`` seconds for it."""
+        try:
+            self.sock.settimeout(max(0.0, timeout))
+            data = self.sock.recv(2048)
+        except (TimeoutError, BlockingIOError, InterruptedError):
+            return
+        except OSError:
+            time.sleep(min(timeout, 0.05))  # closed under us: the owner is stopping
+            return
+        self.handle(data)
+
+    def handle(self, data: bytes) -> None:
+        """Act on one datagram (answer, record, or log)."""
+        if len(data) < _MSG.size:
+            return
+        magic, version, kind, src, _gen, token, seq, secs, nbytes, state = _MSG.unpack_from(data)
+        if magic != _MAGIC or version != _VERSION or token != self.token or not 0 <= src < self.size:
+            return
+        text = data[_MSG.size:].decode(errors="replace")
+        with self.cv:
+            self.heard[src] = time.monotonic()
+            if kind == STATUS:
+                self.replies[src] = (state, seq, text, nbytes, secs)
+            elif kind == JOIN:
+                self.joined.add(src)
+            elif kind == DECIDE and self.decision is None:
+                try:
+                    host, port, members = text.split(" ")
+                    self.decision = (src, [int(m) for m in members.split(",")], host, int(port))
+                except ValueError:  # a malformed decision is ignored; the leader resends
+                    pass
+            elif kind == ACK:
+                self.acks.add(src)
+            self.cv.notify_all()
+        if kind in (QUERY, PING):
+            self.send_status(src)
+        if kind == DECIDE and self.decision is not None and self.decision[0] == src:
+            self.send(src, ACK)
+        if kind == QUERY:
+            self._maybe_log_late(src, seq, secs, nbytes, text)
+
+    def _maybe_log_late(self, src: int, seq: int, secs: float, nbytes: int, name: str) -> None:
+        """Log (once per seq) when ``src`` waits for a collective this rank has not reached."""
+        st, myseq, myname, _, mysecs = self.state_fn()
+        late = (st == IDLE and myseq <= seq) or (st == RUNNING and myseq < seq)
+        if not late or seq in self._late_logged:
+            return
+        self._late_logged.add(seq)
+        where = f"idle {mysecs:.1f}s, next seq {myseq}" if st == IDLE else f"in {myname} (seq {myseq}) for {mysecs:.1f}s"
+        log.warning("rank %d: rank %d has waited %.1fs in %s (seq %d, %d bytes) for this rank, which has not "
+                    "arrived (%s)", self.rank, src, secs, name, seq, nbytes, where)
+
+    def query_all(self, seq: int, seconds: float, nbytes: int, name: str) -> None:
+        """Forget earlier answers and ask every peer for its status (a stall report)."""
+        with self.cv:
+            self.replies.clear()
+        for p in range(self.size):
+            if p != self.rank:
+                self.send(p, QUERY, seq, seconds, nbytes, RUNNING, name)
+
+    def close(self) -> None:
+        """Release the socket. Idempotent."""
+        if not self.closed:
+            self.closed = True
+            self.sock.close()
+
+
+def open_control(store: Store, rank: int, size: int, *, timeout: float, host: str = "127.0.0.1",
+                 backend: str = "", options: dict[str, Any] | None = None, generation: int = 0) -> ControlChannel:
+    """Bind this rank's control socket on ``host`` and learn every peer's address through ``store``."""
+    family = socket.AF_INET6 if ":" in host else socket.AF_INET
+    sock = socket.socket(family, socket.SOCK_DGRAM)
+    try:
+        sock.bind((host, 0))
+        k = store.add(f"control/calls/{rank}", 1)  # the k-th group on a rank meets the k-th on the others
+        if rank == 0:
+            store.set(f"control/{k}/token", secrets.token_bytes(8))
+        store.set(f"control/{k}/{rank}", f"{host} {sock.getsockname()[1]}".encode())
+        token = store.get(f"control/{k}/token", timeout)
+        addrs = []
+        for r in range(size):
+            h, p = store.get(f"control/{k}/{r}", timeout).decode().split(" ")
+            addrs.append((h, int(p)))
+    except BaseException:
+        sock.close()
+        raise
+    return ControlChannel(sock, rank, size, addrs, token, host=host, backend=backend, options=options or {},
+                          generation=generation)
+
+
+class Monitor:
+    """The group's monitor thread: serves the control channel and warns about stalled collectives."""
+
+    def __init__(self, group: Any, rec: Recorder, control: ControlChannel | None, stall_s: float | None) -> None:
+        self._group = weakref.ref(group)  # the thread must not keep an abandoned group alive
+        self.rank, self.size, self.timeout = group.rank, group.size, group.timeout
+        self.rec, self.control, self.stall_s = rec, control, stall_s
+        self._stop = threading.Event()
+        self._warned: Any = None
+        self._report: tuple[tuple[str, int, int, float, float], float, float] | None = None  # cur, waited, until
+        if control is not None:
+            control.state_fn = self.status
+        self._thread = threading.Thread(target=self._run, name=f"gradcoll-monitor-rank{self.rank}", daemon=True)
+        self._thread.start()
+
+    def status(self) -> Status:
+        """This rank's status, as the control channel reports it."""
+        g = self._group()
+        now = time.perf_counter()
+        if g is None or g._closed:
+            return (CLOSED, -1, "", 0, 0.0)
+        if g._poison is not None:
+            name, seq, _ = g._poison
+            return (POISONED, seq, name, 0, 0.0)
+        cur = self.rec.current
+        if cur is not None:
+            return (RUNNING, cur[1], cur[0], cur[2], now - cur[3])
+        return (IDLE, g.seq, "", 0, now - self.rec.last_end)
+
+    def stop(self) -> None:
+        """Stop the thread (the control channel stays open). Idempotent."""
+        self._stop.set()
+        if self.control is not None and not self.control.closed:
+            self.control.send(self.control.rank, WAKE)
+        if self._thread is not threading.current_thread():
+            self._thread.join(timeout=2.0)
+
+    def _run(self) -> None:
+        while not self._stop.is_set() and self._group() is not None:
+            wait = self._tick()
+            if self.control is not None:
+                self.control.poll(wait)
+            else:
+                self._stop.wait(wait)
+
+    def _tick(self) -> float:
+        """Warn about the running collective if it is due; return how long to sleep."""
+        now, stall, cur = time.perf_counter(), self.stall_s, self.rec.current
+        wait = 0.25 if self.control is not None else 1.0
+        if stall and cur is not None and cur is not self._warned:
+            due = cur[3] + stall
+            if now >= due:
+                self._warned = cur
+                waited = now - cur[3]
+                if self.control is None:
+                    log.warning("%s; no control channel to ask the peers (a group built directly on a transport)",
+                                self._head(cur, waited))
+                else:
+                    self.control.query_all(cur[1], waited, cur[2], cur[0])
+                    self._report = (cur, waited, now + min(1.0, max(0.1, stall)))
+            else:
+                wait = min(wait, due - now)
+        if self._report is not None:
+            cur0, waited, until = self._report
+            ctl = self.control
+            assert ctl is not None
+            with ctl.cv:
+                replies = dict(ctl.replies)
+            if len(replies) >= self.size - 1 or now >= until:
+                self._report = None
+                log.warning("%s", self._message(cur0, waited, replies))
+            else:
+                wait = min(wait, 0.02)
+        return wait
+
+    def _head(self, cur: tuple[str, int, int, float, float], waited: float) -> str:
+        name, seq, nbytes = cur[0], cur[1], cur[2]
+        return f"rank {self.rank}: {name} (seq {seq}, {nbytes} bytes) has waited {waited:.1f}s"
+
+    def _message(self, cur: tuple[str, int, int, float, float], waited: float, replies: dict[int, Status]) -> str:
+        """``rank 0: ... has waited 10.0s: arrived: 0, 1; not arrived: 2 (idle ...); ...``."""
+        name, seq = cur[0], cur[1]
+        arrived, missing, silent = [], [], []
+        for p in range(self.size):
+            if p == self.rank:
+                arrived.append(str(p))
+                continue
+            r = replies.get(p)
+            if r is None:
+                silent.append(str(p))
+                continue
+            st, pseq, pname, _, secs = r
+            if st == RUNNING and pseq == seq:
+                arrived.append(str(p) if pname == name else f"{p} (called {pname})")
+            elif st in (IDLE, RUNNING) and pseq > seq:
+                arrived.append(f"{p} (done)")
+            elif st == IDLE:
+                missing.append(f"{p} (idle {secs:.1f}s, next seq {pseq})")
+            elif st == RUNNING:
+                missing.append(f"{p} (in {pname} seq {pseq} for {secs:.1f}s)")
+            else:
+                missing.append(f"{p} ({_STATE_NAMES.get(st, '?')}{f' after {pname} seq {pseq}' if pname else ''})")
+        parts = [f"arrived: {', '.join(arrived)}", f"not arrived: {', '.join(missing) or 'none'}"]
+        if silent:
+            parts.append(f"no answer (dead or unreachable): {', '.join(silent)}")
+        return f"{self._head(cur, waited)}: {'; '.join(parts)}; still waiting (timeout {self.timeout}s)"
+
+
+class Diagnostics:
+    """What a ProcessGroup keeps for ``stats()``, traces, stall warnings and ``shrink()``."""
+
+    def __init__(self, group: Any, *, stall_warning_s: float | None, trace: str | None, window: int,
+                 control: ControlChannel | None) -> None:
+        self.rec = Recorder(group.rank, group.size, window)
+        self.stall_s, self.trace, self.control = stall_warning_s, trace, control
+        if trace is not None:
+            self.rec.start_trace()
+        self.monitor = Monitor(group, self.rec, control, stall_warning_s) if stall_warning_s or control else None
+
+    def detach_control(self) -> ControlChannel | None:
+        """Stop the monitor and hand over the control channel (for shrink); the group no longer owns it."""
+        if self.monitor is not None:
+            self.monitor.stop()
+        ctl, self.control = self.control, None
+        return ctl
+
+    def close(self) -> None:
+        """Stop the monitor, write the trace given at construction, close the control channel."""
+        if self.monitor is not None:
+            self.monitor.stop()
+        if self.trace is not None and self.rec.tracing:
+            self.rec.stop_trace(self.trace)
+        if self.control is not None:
+            self.control.close()
