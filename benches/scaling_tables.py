@@ -1,0 +1,101 @@
+"""Predicted allreduce scaling (docs/scaling.md): tables, crossovers and the plot, from gradcoll.costmodel.
+
+Usage: ``python benches/scaling_tables.py [--plot docs/img/scaling_busbw.png]`` prints Markdown.
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+
+from gradcoll.algorithms import select_allreduce
+from gradcoll.costmodel import ALGORITHMS, best, busbw, crossovers, link_model, predict
+
+#: Reduction throughput: docs/performance.md, 2 inputs x 1e7 float32 (40 MB of incoming contribution) in 5.52 ms.
+REDUCE_BPS = 40e6 / 5.52e-3
+LINKS = {"10 Gbit/s": link_model(10, 25e-6, REDUCE_BPS), "100 Gbit/s": link_model(100, 5e-6, REDUCE_BPS)}
+RANKS = (8, 32, 128, 1024)
+SIZES = (1 << 20, 16 << 20, 256 << 20, 1 << 30)
+SHORT = {"ring": "ring", "star": "star", "recursive_doubling": "rec. doubling"}
+
+
+def human(n: float) -> str:
+    for unit, k in (("GiB", 1 << 30), ("MiB", 1 << 20), ("KiB", 1 << 10)):
+        if n >= k:
+            return f"{n / k:.3g} {unit}"
+    return f"{int(n)} B"
+
+
+def ms(t: float) -> str:
+    return f"{t * 1e3:,.2f}" if t < 10 else f"{t * 1e3:,.0f}"
+
+
+def tables() -> None:
+    for name, m in LINKS.items():
+        print(f"\n### {name} ({m.describe()})\n")
+        cols = " | ".join(f"{SHORT[a]} ms" for a in ALGORITHMS)
+        print(f"| ranks | size | {cols} | best | best busbw GB/s |")
+        print("|--:|--:|" + "--:|" * len(ALGORITHMS) + "--|--:|")
+        for n in RANKS:
+            for s in SIZES:
+                ts = {a: predict(a, n, s, m) for a in ALGORITHMS}
+                b = best(n, s, m)
+                cells = " | ".join(ms(ts[a]) for a in ALGORITHMS)
+                print(f"| {n} | {human(s)} | {cells} | {SHORT[b]} | {busbw(s, n, ts[b]) / 1e9:.2f} |")
+
+
+def crossover_table() -> None:
+    print("\n| link | ranks | model: best algorithm by size | `auto` today |")
+    print("|--|--:|--|--|")
+    for name, m in LINKS.items():
+        for n in (2, 4, 8, 16, 64, 128, 1024):
+            xs = crossovers(m, n, lo=1 << 10, hi=1 << 30)
+            first = best(n, 1 << 10, m)
+            text = SHORT[first] + "".join(f" -> {SHORT[b]} from {human(s)}" for s, _, b in xs)
+            auto = []
+            prev = None
+            for k in range(10, 31):
+                a = select_allreduce(1 << k, n)
+                if a != prev:
+                    auto.append(SHORT[a] if prev is None else f"{SHORT[a]} from {human(1 << k)}")
+                    prev = a
+            print(f"| {name} | {n} | {text} | {' -> '.join(auto)} |")
+
+
+def plot(path: str) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    sizes = [1 << k for k in range(20, 31)]
+    fig, axes = plt.subplots(1, 2, figsize=(11, 4.2), sharey=False)
+    for ax, (name, m) in zip(axes, LINKS.items(), strict=True):
+        for n, style in zip((8, 128, 1024), ("-", "--", ":"), strict=True):
+            for a, color in zip(ALGORITHMS, ("C0", "C1", "C2"), strict=True):
+                ax.plot(sizes, [busbw(s, n, predict(a, n, s, m)) / 1e9 for s in sizes], style, color=color,
+                        label=f"{SHORT[a]}, {n} ranks")
+        ax.set_xscale("log", base=2)
+        ax.set_yscale("log")
+        ax.set_title(f"{name}: predicted busbw")
+        ax.set_xlabel("buffer size (bytes)")
+        ax.set_ylabel("busbw (GB/s)")
+        ax.grid(True, alpha=0.3)
+    axes[1].legend(fontsize=7, ncol=1, loc="lower right")
+    fig.tight_layout()
+    fig.savefig(path, dpi=100)
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--plot", default=None)
+    a = ap.parse_args()
+    tables()
+    crossover_table()
+    if a.plot:
+        plot(a.plot)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,270 @@
+"""Simulated transport: the real algorithm code on many ranks, virtual clocks instead of bytes.
+
+:func:`simulate` runs one real allreduce (``gradcoll.algorithms.ALLREDUCE``)
+on ``n`` threads of this process over :class:`SimTransport` and returns each
+rank's virtual finishing time under an :class:`~gradcoll.costmodel.AlphaBeta`
+model. What is real and what is simulated:
+
+* **Real**: the algorithm's whole control flow - which rank sends which
+  chunk to whom, in which order, with which tags and lengths, the waits, the
+  fold/unfold of recursive doubling, the star's root, the ring's schedule.
+  Tags and lengths are checked as by every transport (a mismatch raises
+  :class:`~gradcoll.errors.CollectiveMismatch`).
+* **Not moved**: payloads. ``isend`` records only (tag, length, virtual
+  arrival time); ``irecv`` leaves the receive buffer untouched. So results
+  are meaningless and the run uses ``op="sum"``, ``check_finite=False``.
+* **Skipped kernels**: while :func:`simulate` runs, ``kernels.accumulate``
+  and ``kernels.mean_reduce`` are replaced (for the simulation's threads
+  only; other threads get the real kernels) by stubs that do not compute and
+  instead advance the calling rank's clock by ``gamma`` times the bytes of
+  incoming contribution (``x`` for accumulate, all rows but one for
+  mean_reduce).
+* **Virtual size**: the real buffer is small (``n * elems_per_rank``
+  float32); every length is multiplied by ``scale = nbytes / real bytes``
+  when the clocks advance, so a 1 GiB allreduce costs no memory.
+
+Clock rules (per rank: ``clock``, ``egress_free``, ``ingress_free``; each
+touched only by its own rank's thread, so a run is deterministic):
+
+* ``isend`` of ``b`` virtual bytes: ``start = max(clock, egress_free)``,
+  ``egress_free = start + beta b``; the message arrives at
+  ``start + alpha + beta b``; waiting for the send sets
+  ``clock = max(clock, start + beta b)``.
+* waiting for a receive, in the receiver's program order:
+  ``done = max(arrival, ingress_free + beta b)``, ``ingress_free = done``,
+  ``clock = max(clock, done)`` (a rank's ingress takes one message at a time).
+
+Under these rules the times equal the closed forms of
+:func:`gradcoll.costmodel.predict` (the ring run with one segment per chunk,
+the default here). A few dozen threads are cheap; for 128-1,024 ranks use the
+closed form, which tests/test_costmodel.py checks against this simulation.
+"""
+
+from __future__ import annotations
+
+import collections
+import threading
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
+from typing import Any
+
+import numpy as np
+
+from .. import kernels
+from ..costmodel import AlphaBeta
+from ..errors import CollectiveMismatch, UsageError
+from .base import Request, Transport, as_bytes_view, as_writable_view
+
+__all__ = ["SimTransport", "SimWorld", "simulate"]
+
+_LOCAL = threading.local()  # .transport: the SimTransport of the current simulation thread
+
+
+class _Msg:
+    __slots__ = ("seq", "tag", "length", "arrival", "vbytes")
+
+    def __init__(self, seq: int, tag: int, length: int, arrival: float, vbytes: float) -> None:
+        self.seq, self.tag, self.length, self.arrival, self.vbytes = seq, tag, length, arrival, vbytes
+
+
+class _Pair:
+    __slots__ = ("cond", "messages", "send_seq", "recv_seq")
+
+    def __init__(self) -> None:
+        self.cond = threading.Condition()
+        self.messages: collections.deque[_Msg] = collections.deque()
+        self.send_seq = 0
+        self.recv_seq = 0
+
+
+class SimWorld:
+    """Shared state of ``size`` simulated ranks: FIFOs of message headers per ordered pair."""
+
+    def __init__(self, size: int, model: AlphaBeta, scale: float = 1.0) -> None:
+        if size < 1:
+            raise UsageError(f"world size must be >= 1, got {size}")
+        self.size = size
+        self.model = model
+        self.scale = scale
+        self.pairs: dict[tuple[int, int], _Pair] = {}
+        self._lock = threading.Lock()
+
+    def pair(self, src: int, dst: int) -> _Pair:
+        """The FIFO src -> dst (created on first use: n^2 pairs are not allocated up front)."""
+        with self._lock:
+            p = self.pairs.get((src, dst))
+            if p is None:
+                p = self.pairs[(src, dst)] = _Pair()
+            return p
+
+
+class _SendReq(Request):
+    __slots__ = ("_t", "_done", "_n")
+
+    def __init__(self, t: "SimTransport", done: float, n: int) -> None:
+        self._t, self._done, self._n = t, done, n
+
+    def wait(self, timeout: float | None = None) -> int:
+        self._t.clock = max(self._t.clock, self._done)
+        return self._n
+
+    def test(self) -> bool:
+        return True
+
+
+class _RecvReq(Request):
+    __slots__ = ("_t", "_peer", "_pair", "_length", "_tag", "_result")
+
+    def __init__(self, t: "SimTransport", peer: int, pair: _Pair, length: int, tag: int) -> None:
+        self._t, self._peer, self._pair, self._length, self._tag = t, peer, pair, length, tag
+        self._result: int | None = None
+
+    def wait(self, timeout: float | None = None) -> int:
+        if self._result is not None:
+            return self._result
+        t = self._t
+        limit = t._timeout(timeout)
+        with self._pair.cond:
+            if not self._pair.cond.wait_for(lambda: bool(self._pair.messages), limit):
+                raise t._timeout_error("recv", self._peer, limit, self._length)
+            msg = self._pair.messages.popleft()
+            expect = self._pair.recv_seq
+            self._pair.recv_seq += 1
+        if msg.tag != self._tag or msg.length != self._length or msg.seq != expect:
+            raise CollectiveMismatch(
+                f"rank {t.rank}: recv from peer {self._peer} expected seq {expect} tag {self._tag} "
+                f"({self._length} bytes), but peer {self._peer} sent seq {msg.seq} tag {msg.tag} "
+                f"({msg.length} bytes) (sim transport)"
+            )
+        beta = t.world.model.beta_s_per_byte
+        done = max(msg.arrival, t.ingress_free + beta * msg.vbytes)
+        t.ingress_free = done
+        t.clock = max(t.clock, done)
+        self._result = msg.length
+        return msg.length
+
+    def test(self) -> bool:
+        return self._result is not None or bool(self._pair.messages)
+
+
+class SimTransport(Transport):
+    """One rank of a :class:`SimWorld`: moves headers, advances virtual clocks."""
+
+    name = "sim"
+    #: Allreduces carry their descriptor in the tags (no handshake round, which would need payloads).
+    lenient_tags = True
+
+    def __init__(self, world: SimWorld, rank: int, timeout: float = 60.0) -> None:
+        super().__init__(rank, world.size, timeout)
+        self.world = world
+        self.clock = 0.0
+        self.egress_free = 0.0
+        self.ingress_free = 0.0
+
+    def isend(self, peer: int, buf: Any, tag: int = 0) -> Request:
+        """Record a message of ``len(buf)`` bytes for ``peer``; the payload is not copied."""
+        self._check_peer(peer)
+        length = len(as_bytes_view(buf))
+        vbytes = length * self.world.scale
+        m = self.world.model
+        start = max(self.clock, self.egress_free)
+        self.egress_free = start + m.beta_s_per_byte * vbytes
+        pair = self.world.pair(self.rank, peer)
+        with pair.cond:
+            seq = pair.send_seq
+            pair.send_seq += 1
+            pair.messages.append(_Msg(seq, tag, length, start + m.alpha_s + m.beta_s_per_byte * vbytes, vbytes))
+            pair.cond.notify_all()
+        return _SendReq(self, self.egress_free, length)
+
+    def irecv(self, peer: int, out: Any, tag: int = 0) -> Request:
+        """Post a receive of ``len(out)`` bytes; ``out`` is never written."""
+        self._check_peer(peer)
+        length = len(as_writable_view(out))
+        return _RecvReq(self, peer, self.world.pair(peer, self.rank), length, tag)
+
+    def charge_reduce(self, nbytes: float) -> None:
+        """Advance this rank's clock by the reduction of ``nbytes`` real bytes (scaled)."""
+        self.clock += self.world.model.gamma_s_per_byte * nbytes * self.world.scale
+
+    def close(self) -> None:
+        """Nothing to release."""
+        self.closed = True
+
+
+_PATCH_LOCK = threading.Lock()
+
+
+@contextmanager
+def _stub_kernels() -> Iterator[None]:
+    """Replace the reducing kernels with clock-charging stubs for simulation threads."""
+    real_acc: Callable[..., Any] = kernels.accumulate
+    real_mean: Callable[..., Any] = kernels.mean_reduce
+
+    def accumulate(acc: Any, x: Any, *args: Any, **kw: Any) -> Any:
+        t: SimTransport | None = getattr(_LOCAL, "transport", None)
+        if t is None:
+            return real_acc(acc, x, *args, **kw)
+        t.charge_reduce(np.asarray(x).nbytes)
+        return acc
+
+    def mean_reduce(rows: Any, *args: Any, **kw: Any) -> Any:
+        t: SimTransport | None = getattr(_LOCAL, "transport", None)
+        if t is None:
+            return real_mean(rows, *args, **kw)
+        arr = np.asarray(rows)
+        t.charge_reduce(arr.nbytes - (arr[0].nbytes if len(arr) else 0))
+        return kw.get("out")
+
+    with _PATCH_LOCK:
+        setattr(kernels, "accumulate", accumulate)  # noqa: B010 - the module attribute the algorithms look up
+        setattr(kernels, "mean_reduce", mean_reduce)  # noqa: B010
+        try:
+            yield
+        finally:
+            setattr(kernels, "accumulate", real_acc)  # noqa: B010
+            setattr(kernels, "mean_reduce", real_mean)  # noqa: B010
+
+
+def simulate(algorithm: str, n: int, nbytes: int, model: AlphaBeta, *, elems_per_rank: int = 4,
+             segment_bytes: int | None = None, timeout: float = 60.0) -> list[float]:
+    """Run the real ``algorithm`` allreduce on ``n`` simulated ranks; each rank's virtual seconds.
+
+    The buffer is ``n * elems_per_rank`` float32 standing for ``nbytes``.
+    ``segment_bytes`` (ring only) is in virtual bytes; None runs one segment
+    per chunk, as the closed form assumes.
+    """
+    from ..algorithms import ALLREDUCE
+
+    fn = ALLREDUCE.get(algorithm)
+    if fn is None:
+        raise UsageError(f"unknown algorithm {algorithm!r}")
+    count = n * elems_per_rank
+    scale = nbytes / (count * 4)
+    world = SimWorld(n, model, scale)
+    ts = [SimTransport(world, r, timeout) for r in range(n)]
+    kw: dict[str, Any] = {"op": "sum", "check_finite": False}
+    if algorithm == "ring":
+        kw["segment_bytes"] = 1 << 62 if segment_bytes is None else max(4, int(segment_bytes / scale))
+    errors: list[BaseException] = []
+
+    def rank_main(t: SimTransport) -> None:
+        _LOCAL.transport = t
+        try:
+            fn(t, np.zeros(count, np.float32), **kw)
+        except BaseException as exc:  # reported to the caller below
+            errors.append(exc)
+        finally:
+            _LOCAL.transport = None
+
+    with _stub_kernels():
+        threads = [threading.Thread(target=rank_main, args=(t,), daemon=True) for t in ts]
+        for th in threads:
+            th.start()
+        for th in threads:
+            th.join(timeout + 5)
+    if errors:
+        raise errors[0]
+    if any(th.is_alive() for th in threads):
+        raise RuntimeError(f"simulated {algorithm} on {n} ranks did not finish")
+    return [t.clock for t in ts]
