@@ -120,7 +120,9 @@ def launch(
                     out.write(f"gradcoll launch: timed out after {timeout}s; rank {failed} still running\n")
                 break
             # Wait on the first live child; a short cap keeps the loop reactive to others.
-            live = next(p for p in procs if p.poll() is None)
+            live = next((p for p in procs if p.poll() is None), None)
+            if live is None:
+                continue  # every child exited since the poll above: re-read their codes
             try:
                 live.wait(timeout=0.05)
             except subprocess.TimeoutExpired:
