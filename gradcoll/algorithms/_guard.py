@@ -34,6 +34,8 @@ non-finite result, when every stream is clean.
 
 from __future__ import annotations
 
+import math
+from collections.abc import Callable
 from typing import NoReturn
 
 import numpy as np
@@ -41,7 +43,7 @@ import numpy as np
 from ..errors import CollectiveMismatch, CollectiveTimeout, ProtocolError, TransportBroken, TransportClosed
 from ..transport._frame import LENIENT_TAG, FrameMismatch
 from ..transport.base import Deadline, Request, Transport
-from ._common import Coll
+from ._common import Coll, as_flat, check_op
 from ._handshake import (
     ALGOS,
     BROKEN,
@@ -264,3 +266,42 @@ def _verdict(coll: Coll, table: list[Record], exc: BaseException | None, bad: tu
         )
     assert exc is not None  # exc is None only for a non-finite result, handled above
     raise exc
+
+
+def first_planted(coll: Coll, flat: np.ndarray) -> tuple[int, float] | None:
+    """Element 0 when it holds NaN/Inf: where a planted input marker or an overflow marker lands."""
+    return None if math.isfinite(flat[0]) else (0, float(flat[0]))
+
+
+def guarded_allreduce(
+    transport: Transport,
+    buf: np.ndarray,
+    *,
+    name: str,
+    algo: str,
+    op: str,
+    check_finite: bool,
+    seq: int,
+    timeout: float | None,
+    backend: str | None,
+    body: Callable[[Coll, np.ndarray], None],
+    find_bad: Callable[[Coll, np.ndarray], tuple[int, float] | None] = first_planted,
+) -> np.ndarray:
+    """The frame every allreduce algorithm runs in: validate, set up the descriptor and the
+    local finite check (:func:`begin`), run ``body(coll, flat)`` on the data path, send any
+    failure through the shared error path (:func:`fail`), and halt every rank alike when the
+    result carries a non-finite marker (``find_bad``). Returns ``buf``."""
+    flat = as_flat(buf, reduce=True)
+    check_op(op)
+    coll = Coll(transport, name, seq, flat.nbytes, timeout)
+    begin(coll, "allreduce", algo, op, flat, check_finite, backend)
+    if coll.size > 1:  # even for 0 elements: the empty frames still carry the descriptor
+        try:
+            body(coll, flat)
+        except ERRORS as exc:
+            fail(coll, exc)
+    if check_finite and flat.size:
+        bad = find_bad(coll, flat)
+        if bad is not None:
+            fail(coll, None, bad)
+    return buf

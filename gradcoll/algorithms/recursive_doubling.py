@@ -30,15 +30,13 @@ the mismatch and timeout checks). See docs/algorithms/recursive_doubling.md.
 
 from __future__ import annotations
 
-import math
-
 import numpy as np
 
 from .. import kernels
 from ..errors import NonFiniteError
 from ..transport.base import Transport
-from ._common import Coll, Workspace, as_flat, check_op, scratch
-from ._guard import ERRORS, begin, fail
+from ._common import Coll, Workspace, scratch
+from ._guard import guarded_allreduce
 
 __all__ = ["recursive_doubling_allreduce"]
 
@@ -57,18 +55,11 @@ def recursive_doubling_allreduce(
     backend: str | None = None,
 ) -> np.ndarray:
     """Allreduce ``buf`` in place by recursive doubling; returns ``buf``."""
-    flat = as_flat(buf, reduce=True)
-    check_op(op)
-    coll = Coll(transport, "recursive-doubling allreduce", seq, flat.nbytes, timeout)
-    begin(coll, "allreduce", "recursive_doubling", op, flat, check_finite, backend)
-    if coll.size > 1:  # even for 0 elements: the empty frames still carry the descriptor
-        try:
-            _exchange(coll, flat, op, check_finite, workspace, backend)
-        except ERRORS as exc:
-            fail(coll, exc)
-    if check_finite and flat.size and not math.isfinite(flat[0]):
-        fail(coll, None, (0, float(flat[0])))  # a planted NaN: a bad input or an overflow
-    return buf
+    return guarded_allreduce(
+        transport, buf, name="recursive-doubling allreduce", algo="recursive_doubling", op=op,
+        check_finite=check_finite, seq=seq, timeout=timeout, backend=backend,
+        body=lambda coll, flat: _exchange(coll, flat, op, check_finite, workspace, backend),
+    )
 
 
 def _exchange(coll: Coll, flat: np.ndarray, op: str, check: bool, workspace: Workspace | None,

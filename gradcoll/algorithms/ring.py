@@ -30,8 +30,8 @@ import numpy as np
 from .. import kernels
 from ..errors import NonFiniteError
 from ..transport.base import Request, Transport
-from ._common import Coll, Workspace, as_flat, check_op, chunk_bounds, scratch, segment_bounds
-from ._guard import ERRORS, begin, fail
+from ._common import Coll, Workspace, chunk_bounds, scratch, segment_bounds
+from ._guard import guarded_allreduce
 
 __all__ = ["ring_allreduce", "ring_pass", "SEGMENT_BYTES"]
 
@@ -54,21 +54,14 @@ def ring_allreduce(
     backend: str | None = None,
 ) -> np.ndarray:
     """Allreduce ``buf`` in place over every rank with the ring algorithm; returns ``buf``."""
-    flat = as_flat(buf, reduce=True)
-    check_op(op)
-    coll = Coll(transport, "ring allreduce", seq, flat.nbytes, timeout)
-    begin(coll, "allreduce", "ring", op, flat, check_finite, backend)
-    if coll.size > 1:  # even for 0 elements: the empty frames still carry the descriptor
-        try:
-            ring_pass(coll, flat, op, allgather=True, shift=0, check=check_finite,
-                      segment_bytes=segment_bytes, workspace=workspace, backend=backend)
-        except ERRORS as exc:
-            fail(coll, exc)
-    if check_finite and flat.size:
-        bad = _first_sentinel(flat, coll.size, segment_bytes)
-        if bad is not None:
-            fail(coll, None, bad)
-    return buf
+
+    def body(coll: Coll, flat: np.ndarray) -> None:
+        ring_pass(coll, flat, op, allgather=True, shift=0, check=check_finite,
+                  segment_bytes=segment_bytes, workspace=workspace, backend=backend)
+
+    return guarded_allreduce(transport, buf, name="ring allreduce", algo="ring", op=op, check_finite=check_finite,
+                             seq=seq, timeout=timeout, backend=backend, body=body,
+                             find_bad=lambda coll, flat: _first_sentinel(flat, coll.size, segment_bytes))
 
 
 def _combiner(op: str, n: int, check: bool, backend: str | None) -> Callable[[np.ndarray, np.ndarray, bool], bool]:

@@ -19,15 +19,13 @@ See docs/algorithms/star.md.
 
 from __future__ import annotations
 
-import math
-
 import numpy as np
 
 from .. import kernels
 from ..errors import NonFiniteError
 from ..transport.base import Transport
-from ._common import Coll, Workspace, as_flat, check_op, scratch
-from ._guard import ERRORS, begin, fail
+from ._common import Coll, Workspace, scratch
+from ._guard import guarded_allreduce
 
 __all__ = ["star_allreduce"]
 
@@ -47,27 +45,21 @@ def star_allreduce(
     backend: str | None = None,
 ) -> np.ndarray:
     """Allreduce ``buf`` in place through rank 0; returns ``buf``."""
-    flat = as_flat(buf, reduce=True)
-    check_op(op)
-    coll = Coll(transport, "star allreduce", seq, flat.nbytes, timeout)
-    begin(coll, "allreduce", "star", op, flat, check_finite, backend)
-    if coll.size > 1:
-        try:
-            if coll.rank == ROOT:
-                _root(coll, flat, op, check_finite, workspace, backend)
-            else:
-                coll.begin(2)
-                coll.step = 1
-                up = coll.isend(ROOT, flat, coll.tag0 + _UP)
-                down = coll.irecv(ROOT, flat, coll.tag0 + _DOWN)  # rank 0 replies only after reading ``up``
-                coll.wait(up, ROOT)
-                coll.step = 2
-                coll.wait(down, ROOT)
-        except ERRORS as exc:
-            fail(coll, exc)
-    if check_finite and flat.size and not math.isfinite(flat[0]):
-        fail(coll, None, (0, float(flat[0])))
-    return buf
+
+    def body(coll: Coll, flat: np.ndarray) -> None:
+        if coll.rank == ROOT:
+            _root(coll, flat, op, check_finite, workspace, backend)
+            return
+        coll.begin(2)
+        coll.step = 1
+        up = coll.isend(ROOT, flat, coll.tag0 + _UP)
+        down = coll.irecv(ROOT, flat, coll.tag0 + _DOWN)  # rank 0 replies only after reading ``up``
+        coll.wait(up, ROOT)
+        coll.step = 2
+        coll.wait(down, ROOT)
+
+    return guarded_allreduce(transport, buf, name="star allreduce", algo="star", op=op, check_finite=check_finite,
+                             seq=seq, timeout=timeout, backend=backend, body=body)
 
 
 def _root(coll: Coll, flat: np.ndarray, op: str, check: bool, ws: Workspace | None, backend: str | None) -> None:
