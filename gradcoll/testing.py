@@ -33,6 +33,7 @@ from .transport.base import Deadline, Transport
 __all__ = [
     "threaded_group",
     "run_ranks",
+    "gather_ranks",
     "check_transport",
     "run_check",
     "run_spmd",
@@ -96,6 +97,33 @@ def run_ranks(fns: Sequence[Callable[[Any], Any]], args: Sequence[Any], *, timeo
             on_error()
         raise AssertionError(f"ranks {hung} still running after {timeout}s (hang)")
     return results
+
+
+def gather_ranks(fn: Callable[[int], Any], n: int, *, join_timeout: float = 60.0) -> tuple[list[Any], list[BaseException | None]]:
+    """Run ``fn(rank)`` on ``n`` threads; return every rank's result and exception (None where it returned).
+
+    Unlike :func:`run_ranks` it never raises a rank's error: tests that expect
+    every rank to fail in a given way inspect the list. It asserts that no rank
+    is still running after ``join_timeout`` seconds (a hang).
+    """
+    results: list[Any] = [None] * n
+    errors: list[BaseException | None] = [None] * n
+
+    def body(r: int) -> None:
+        try:
+            results[r] = fn(r)
+        except BaseException as exc:  # noqa: BLE001 - returned to the caller
+            errors[r] = exc
+
+    threads = [threading.Thread(target=body, args=(r,), daemon=True, name=f"rank-{r}") for r in range(n)]
+    deadline = Deadline(join_timeout)
+    for th in threads:
+        th.start()
+    for th in threads:
+        th.join(deadline.remaining())
+    hung = [r for r, th in enumerate(threads) if th.is_alive()]
+    assert not hung, f"ranks {hung} still running after {join_timeout}s (hang)"
+    return results, errors
 
 
 @dataclass

@@ -26,6 +26,7 @@ from gradcoll.algorithms import (
 )
 from gradcoll.algorithms._common import chunk_bounds, segment_bounds
 from gradcoll.errors import CollectiveMismatch, CollectiveTimeout, NonFiniteError, TransportClosed, UsageError
+from gradcoll.testing import gather_ranks
 from gradcoll.transport.inproc import create_world
 
 ALGOS = sorted(ALLREDUCE)
@@ -35,22 +36,7 @@ SIZES = range(1, 9)
 def run_ranks(n: int, fn: Callable[[int, Any], Any], timeout: float = 10.0) -> tuple[list[Any], list[BaseException | None]]:
     """Run ``fn(rank, transport)`` on ``n`` threads over a fresh inproc world."""
     ts = create_world(n, timeout=timeout)
-    results: list[Any] = [None] * n
-    errors: list[BaseException | None] = [None] * n
-
-    def target(r: int) -> None:
-        try:
-            results[r] = fn(r, ts[r])
-        except BaseException as exc:  # collected and checked by the test
-            errors[r] = exc
-
-    threads = [threading.Thread(target=target, args=(r,)) for r in range(n)]
-    for t in threads:
-        t.start()
-    for t in threads:
-        t.join(60)
-    assert not any(t.is_alive() for t in threads), "a rank hung"
-    return results, errors
+    return gather_ranks(lambda r: fn(r, ts[r]), n)
 
 
 def ok(n: int, fn: Callable[[int, Any], Any], timeout: float = 10.0) -> list[Any]:
@@ -411,23 +397,11 @@ def run_framed(kind: str, n: int, fn: Callable[[int, Any], Any], timeout: float 
     from gradcoll.transport import shm, tcp
 
     ts = threaded_group({"tcp": tcp.create, "shm": shm.create}[kind], n, timeout=timeout)
-    errors: list[BaseException | None] = [None] * n
-
-    def target(r: int) -> None:
-        try:
-            fn(r, ts[r])
-        except BaseException as exc:  # collected and checked by the test
-            errors[r] = exc
-
-    threads = [threading.Thread(target=target, args=(r,)) for r in range(n)]
-    for t in threads:
-        t.start()
-    for t in threads:
-        t.join(60)
-    for t in ts:
-        t.close()
-    assert not any(t.is_alive() for t in threads), "a rank hung"
-    return errors
+    try:
+        return gather_ranks(lambda r: fn(r, ts[r]), n)[1]
+    finally:
+        for t in ts:
+            t.close()
 
 
 @pytest.mark.parametrize("kind", ["tcp", "shm"])

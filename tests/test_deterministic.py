@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import threading
 from typing import Any
 
 import numpy as np
@@ -11,28 +10,14 @@ import pytest
 from gradcoll.algorithms.deterministic import deterministic_allreduce, fraction_bits
 from gradcoll.errors import NonFiniteError, UsageError
 from gradcoll.group import ProcessGroup
+from gradcoll.testing import gather_ranks
 from gradcoll.transport.inproc import create_world
 
 
 def run(n: int, fn: Any) -> tuple[list[Any], list[BaseException | None]]:
     """``fn(rank, transport)`` on ``n`` threads over a fresh inproc world."""
     ts = create_world(n, timeout=10.0)
-    out: list[Any] = [None] * n
-    err: list[BaseException | None] = [None] * n
-
-    def target(r: int) -> None:
-        try:
-            out[r] = fn(r, ts[r])
-        except BaseException as exc:  # checked by the test
-            err[r] = exc
-
-    threads = [threading.Thread(target=target, args=(r,)) for r in range(n)]
-    for t in threads:
-        t.start()
-    for t in threads:
-        t.join(60)
-    assert not any(t.is_alive() for t in threads), "a rank hung"
-    return out, err
+    return gather_ranks(lambda r: fn(r, ts[r]), n)
 
 ALGOS = ("ring", "star", "recursive_doubling")
 

@@ -20,30 +20,18 @@ from gradcoll.errors import (
     UsageError,
 )
 from gradcoll.group import ProcessGroup, Work
+from gradcoll.testing import gather_ranks
 from gradcoll.transport.inproc import create_world
 
 
 def run_groups(n: int, fn: Callable[[ProcessGroup], Any], timeout: float = 10.0) -> tuple[list[Any], list[Any]]:
     """Run ``fn(group)`` on ``n`` threads, one ProcessGroup each; returns (results, errors)."""
     groups = [ProcessGroup(t) for t in create_world(n, timeout=timeout)]
-    results: list[Any] = [None] * n
-    errors: list[Any] = [None] * n
-
-    def target(r: int) -> None:
-        try:
-            results[r] = fn(groups[r])
-        except BaseException as exc:
-            errors[r] = exc
-
-    threads = [threading.Thread(target=target, args=(r,)) for r in range(n)]
-    for t in threads:
-        t.start()
-    for t in threads:
-        t.join(60)
-    assert not any(t.is_alive() for t in threads), "a rank hung"
-    for g in groups:
-        g.close()
-    return results, errors
+    try:
+        return gather_ranks(lambda r: fn(groups[r]), n)
+    finally:
+        for g in groups:
+            g.close()
 
 
 def ok(n: int, fn: Callable[[ProcessGroup], Any], timeout: float = 10.0) -> list[Any]:

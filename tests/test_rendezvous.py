@@ -5,7 +5,6 @@ from __future__ import annotations
 import importlib.util
 import multiprocessing
 import socket
-import threading
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
@@ -17,6 +16,7 @@ from gradcoll.errors import BackendUnavailable, CollectiveTimeout, UsageError
 from gradcoll.group import ProcessGroup
 from gradcoll.rendezvous import DEFAULT_PORT, InitMethod, env_rank_size, init_process_group, parse_init_method
 from gradcoll.store import HashStore
+from gradcoll.testing import gather_ranks
 
 
 def free_port() -> int:
@@ -74,20 +74,7 @@ def test_argument_errors(monkeypatch: pytest.MonkeyPatch) -> None:
 
 
 def in_threads(n: int, fn: Callable[[int], Any]) -> list[Any]:
-    results: list[Any] = [None] * n
-    errors: list[Any] = [None] * n
-
-    def target(r: int) -> None:
-        try:
-            results[r] = fn(r)
-        except BaseException as exc:
-            errors[r] = exc
-
-    threads = [threading.Thread(target=target, args=(r,)) for r in range(n)]
-    for t in threads:
-        t.start()
-    for t in threads:
-        t.join(60)
+    results, errors = gather_ranks(fn, n)
     for e in errors:
         if e is not None:
             raise e

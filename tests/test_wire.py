@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import threading
 from collections.abc import Callable
 from typing import Any
 
@@ -14,6 +13,7 @@ from gradcoll._kernels import wire_reference as R
 from gradcoll.algorithms.wire import wire_allreduce
 from gradcoll.errors import NonFiniteError, UsageError
 from gradcoll.group import ProcessGroup
+from gradcoll.testing import gather_ranks
 from gradcoll.transport.inproc import create_world
 
 ALGOS = ("ring", "star", "recursive_doubling")
@@ -24,22 +24,7 @@ WIRE_BACKENDS = ["numpy", "numba"] + [b for b in K.available_backends() if b == 
 
 def run(n: int, fn: Callable[[int, Any], Any]) -> tuple[list[Any], list[BaseException | None]]:
     ts = create_world(n, timeout=10.0)
-    out: list[Any] = [None] * n
-    err: list[BaseException | None] = [None] * n
-
-    def target(r: int) -> None:
-        try:
-            out[r] = fn(r, ts[r])
-        except BaseException as exc:  # checked by the test
-            err[r] = exc
-
-    threads = [threading.Thread(target=target, args=(r,)) for r in range(n)]
-    for t in threads:
-        t.start()
-    for t in threads:
-        t.join(60)
-    assert not any(t.is_alive() for t in threads), "a rank hung"
-    return out, err
+    return gather_ranks(lambda r: fn(r, ts[r]), n)
 
 
 def edge_bits() -> np.ndarray:
