@@ -267,6 +267,8 @@ def train_local(specs: TrainSpec | Sequence[TrainSpec], resolve: Resolver | None
     acc = np.float64 if specs[0].deterministic else specs[0].dtype
 
     def reduce(bufs: list[np.ndarray]) -> np.ndarray:
+        # The single-process reference stays independent of gradcoll's kernels on purpose:
+        # tests compare the distributed run (which reduces through them) against this.
         return np.mean(np.stack(bufs), axis=0, dtype=acc).astype(specs[0].dtype)
 
     metrics = _train(0, specs[0], model, shards, reduce, log)
