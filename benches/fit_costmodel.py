@@ -1,16 +1,28 @@
-"""Fit the alpha-beta-gamma cost model (gradcoll.costmodel) to ``gradcoll bench`` rows and check it.
+"""Fit the cost model (gradcoll.costmodel) to ``gradcoll bench`` rows, check it, and store it for ``auto``.
 
 Usage::
 
     python benches/fit_costmodel.py                      # the stored runs in benches/results/costmodel/
     python benches/fit_costmodel.py --run --ranks 2 4    # measure first (tcp and shm, every algorithm)
+    python benches/fit_costmodel.py --write              # also store the models algorithm="auto" uses
     python benches/fit_costmodel.py a.json b.json        # given ``gradcoll bench --json`` files
 
 For every transport it fits one model to all rows (every algorithm, every
-world size), prints it and the % error of the prediction for each measured
-row; ``--min-size`` (default 64K) is the smallest size the error target
-(25%) applies to and the fit uses. ``--holdout 4`` also fits on the other
-world sizes only and reports the errors on that one.
+world size; ``--fit-ranks 2`` fits on the 2-rank rows only), prints it and
+the % error of the prediction for each measured row. Loopback transports
+(tcp and shm on one host) have no link, so ``beta`` is held at zero and
+``alpha``, ``switch``, ``gamma``, ``delta`` and ``mem`` are fitted, the
+cache size by trying powers of two. Each row says the node it ran on
+(``cores``: all ranks on one host of that many cores), which is how the model
+knows that 4 ranks on 2 cores share them. ``--min-size`` (default 64K) is
+the smallest size the error target (25%) applies to and the fit uses.
+``--run`` starts each rank with ``NUMBA_NUM_THREADS`` = cores / ranks (at
+least 1), so that a rank's threaded reduction kernel does not take the cores
+of the other ranks (the model gives each rank its share of the node), and
+``--iters`` iterations per size (errors are on the median iteration,
+``time_med_us``, where the rows have it). ``--write`` stores the models in
+``gradcoll/costmodel_fitted.json``, from which ``select_allreduce`` derives
+its thresholds.
 """
 
 from __future__ import annotations
@@ -21,65 +33,101 @@ import json
 import os
 import subprocess
 import sys
+from dataclasses import asdict
 from typing import Any
 
 from gradcoll.bench import parse_size
-from gradcoll.costmodel import ALGORITHMS, AlphaBeta, fit, predict
+from gradcoll.costmodel import ALGORITHMS, FITTED_PATH, AlphaBeta, Node, fit, predict
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 STORED = os.path.join(HERE, "results", "costmodel")
+#: Parameters fitted for loopback transports (no link: beta stays 0).
+LOOPBACK = ("alpha_s", "switch_s", "gamma_s_per_byte", "delta_s_per_byte", "mem_s_per_byte")
+CACHES = [float(1 << k) for k in range(19, 27)]  # 512 KiB .. 64 MiB
 
 
-def measure(out_dir: str, ranks: list[int], transports: list[str], lo: str, hi: str) -> list[str]:
+def measure(out_dir: str, ranks: list[int], transports: list[str], lo: str, hi: str, iters: int = 30,
+            warmup: int = 3) -> list[str]:
     os.makedirs(out_dir, exist_ok=True)
+    cores = os.cpu_count() or 1
     paths = []
     for n in ranks:
+        threads = max(1, cores // n)
+        env = dict(os.environ, NUMBA_NUM_THREADS=str(threads))
         for be in transports:
             for algo in ALGORITHMS:
                 path = os.path.join(out_dir, f"{be}_{algo}_{n}.json")
-                subprocess.run([sys.executable, "-m", "gradcoll", "bench", "-n", str(n), "--backend", be,
-                                "--algorithm", algo, "--min-size", lo, "--max-size", hi, "--iters", "10",
-                                "--warmup", "2", "--json", path], check=True, stdout=subprocess.DEVNULL)
+                subprocess.run(env=env, check=True, stdout=subprocess.DEVNULL, args=[
+                    sys.executable, "-m", "gradcoll", "bench", "-n", str(n), "--backend", be, "--algorithm", algo,
+                    "--min-size", lo, "--max-size", hi, "--iters", str(iters), "--warmup", str(warmup),
+                    "--json", path])
+                with open(path) as f:
+                    rows = json.load(f)
+                for r in rows:  # where it ran: every rank on this host
+                    r["cores"], r["numba_threads"] = cores, threads
+                with open(path, "w") as f:
+                    json.dump(rows, f, indent=1)
                 paths.append(path)
     return paths
 
 
-def errors(rows: list[dict[str, Any]], model: AlphaBeta) -> list[tuple[dict[str, Any], float, float]]:
+def time_key(rows: list[dict[str, Any]]) -> str:
+    return "time_med_us" if all("time_med_us" in r for r in rows) else "time_avg_us"
+
+
+def node_of(r: dict[str, Any]) -> Node | None:
+    return Node(r["ranks"], r["cores"]) if "cores" in r else None
+
+
+def errors(rows: list[dict[str, Any]], model: AlphaBeta, key: str) -> list[tuple[dict[str, Any], float, float]]:
     out = []
     for r in rows:
-        pred = predict(r["algorithm"], r["ranks"], r["size"], model) * 1e6
-        out.append((r, pred, 100.0 * (pred - r["time_avg_us"]) / r["time_avg_us"]))
+        pred = predict(r["algorithm"], r["ranks"], r["size"], model, node=node_of(r)) * 1e6
+        out.append((r, pred, 100.0 * (pred - r[key]) / r[key]))
     return out
 
 
-def report(rows: list[dict[str, Any]], min_size: int, holdout: int | None,
-           fit_ranks: list[int] | None = None) -> dict[str, Any]:
+def fit_best(rows: list[dict[str, Any]], key: str) -> AlphaBeta:
+    """The fit over the cache sizes in CACHES with the lowest mean |relative error|."""
+    best: tuple[float, AlphaBeta] | None = None
+    for cache in CACHES:
+        m = fit(rows, time_key=key, params=LOOPBACK, cache_bytes=cache)
+        score = sum(abs(e) for _, _, e in errors(rows, m, key)) / len(rows)
+        if best is None or score < best[0]:
+            best = (score, m)
+    assert best is not None
+    return best[1]
+
+
+def report(rows: list[dict[str, Any]], min_size: int, fit_ranks: list[int] | None, verbose: bool) -> dict[str, Any]:
     result: dict[str, Any] = {}
+    key = time_key(rows)
     for tr in sorted({r["transport"] for r in rows}):
         sel = [r for r in rows if r["transport"] == tr and r["algorithm"] in ALGORITHMS]
         used = [r for r in sel if r["size"] >= min_size]
-        model = fit([r for r in used if fit_ranks is None or r["ranks"] in fit_ranks])
-        print(f"\n## {tr}: {model.describe()}  (fitted on rows >= {min_size} B, ranks {fit_ranks or 'all'})")
-        print(f"{'ranks':>5} {'algorithm':>18} {'size':>10} {'measured us':>12} {'model us':>10} {'err %':>7}")
-        errs = errors(sel, model)
-        for r, pred, e in errs:
-            flag = "" if r["size"] < min_size or abs(e) <= 25 else "  <-- over 25%"
-            print(f"{r['ranks']:>5} {r['algorithm']:>18} {r['size']:>10} {r['time_avg_us']:>12.1f} {pred:>10.1f} "
-                  f"{e:>+7.1f}{flag}")
-        entry: dict[str, Any] = {"model": model.__dict__}
+        model = fit_best([r for r in used if fit_ranks is None or r["ranks"] in fit_ranks], key)
+        print(f"\n## {tr}: {model.describe()}\n(fitted on {key} of rows >= {min_size} B, ranks {fit_ranks or 'all'})")
+        errs = errors(sel, model, key)
+        if verbose:
+            print(f"{'ranks':>5} {'algorithm':>18} {'size':>10} {'measured us':>12} {'model us':>10} {'err %':>7}")
+            for r, pred, e in errs:
+                flag = "" if r["size"] < min_size or abs(e) <= 25 else "  <-- over 25%"
+                print(f"{r['ranks']:>5} {r['algorithm']:>18} {r['size']:>10} {r[key]:>12.1f} {pred:>10.1f} "
+                      f"{e:>+7.1f}{flag}")
+        cores = {r.get("cores") for r in sel}
+        entry: dict[str, Any] = {"model": asdict(model), "cores": cores.pop() if len(cores) == 1 else None,
+                                 "max_ranks": max(r["ranks"] for r in sel), "time_key": key,
+                                 "fit_ranks": fit_ranks or sorted({r["ranks"] for r in sel}), "min_size": min_size}
         for n in sorted({r["ranks"] for r in sel}):
-            big = [abs(e) for r, _, e in errs if r["size"] >= min_size and r["ranks"] == n]
-            ok = sum(e <= 25 for e in big)
-            print(f"{n} ranks, from {min_size} B: max |error| {max(big):.1f}%, mean {sum(big) / len(big):.1f}%, "
-                  f"{ok}/{len(big)} rows within 25%")
-            entry[f"max_abs_err_pct_{n}"] = max(big)
-        if holdout is not None and any(r["ranks"] == holdout for r in used):
-            train = [r for r in used if r["ranks"] != holdout]
-            m2 = fit(train)
-            test = [abs(e) for _, _, e in errors([r for r in used if r["ranks"] == holdout], m2)]
-            print(f"hold-out: fitted without {holdout} ranks ({m2.describe()}): {holdout}-rank max |error| "
-                  f"{max(test):.1f}%, mean {sum(test) / len(test):.1f}%")
-            entry["holdout_max_abs_err_pct"] = max(test)
+            big = [(r, abs(e)) for r, _, e in errs if r["size"] >= min_size and r["ranks"] == n]
+            ok = sum(e <= 25 for _, e in big)
+            worst = sorted(big, key=lambda x: -x[1])[:3]
+            print(f"{n} ranks, from {min_size} B: max |error| {max(e for _, e in big):.1f}%, "
+                  f"mean {sum(e for _, e in big) / len(big):.1f}%, {ok}/{len(big)} rows within 25%; worst: "
+                  + ", ".join(f"{r['algorithm']} {r['size']} B {e:.0f}%" for r, e in worst))
+            entry[f"ranks_{n}"] = {"max_abs_err_pct": round(max(e for _, e in big), 1),
+                                   "mean_abs_err_pct": round(sum(e for _, e in big) / len(big), 1),
+                                   "within_25": ok, "rows": len(big)}
         result[tr] = entry
     return result
 
@@ -91,22 +139,29 @@ def main() -> int:
     ap.add_argument("--ranks", type=int, nargs="+", default=[2, 4])
     ap.add_argument("--transports", nargs="+", default=["tcp", "shm"])
     ap.add_argument("--sizes", nargs=2, default=["4K", "32M"])
+    ap.add_argument("--iters", type=int, default=30)
+    ap.add_argument("--warmup", type=int, default=3)
     ap.add_argument("--out", default=STORED, help="where --run writes its JSON files")
     ap.add_argument("--min-size", default="64K")
-    ap.add_argument("--holdout", type=int, default=None)
     ap.add_argument("--fit-ranks", type=int, nargs="+", default=None, help="fit only on these world sizes")
-    ap.add_argument("--json", dest="json_path", default=None, help="write the fitted models here")
+    ap.add_argument("-v", "--verbose", action="store_true", help="print every row's error")
+    ap.add_argument("--json", dest="json_path", default=None, help="write the fitted models and errors here")
+    ap.add_argument("--write", action="store_true", help=f"store the models for algorithm='auto' ({FITTED_PATH})")
     a = ap.parse_args()
-    paths = measure(a.out, a.ranks, a.transports, *a.sizes) if a.run else (a.files or sorted(glob.glob(
-        os.path.join(STORED, "*.json"))))
+    paths = measure(a.out, a.ranks, a.transports, *a.sizes, iters=a.iters, warmup=a.warmup) if a.run else (
+        a.files or sorted(glob.glob(os.path.join(STORED, "*.json"))))
     rows: list[dict[str, Any]] = []
     for p in paths:
         with open(p) as f:
             rows.extend(json.load(f))
-    res = report(rows, parse_size(a.min_size), a.holdout, a.fit_ranks)
+    res = report(rows, parse_size(a.min_size), a.fit_ranks, a.verbose)
     if a.json_path:
         with open(a.json_path, "w") as f:
             json.dump(res, f, indent=1)
+    if a.write:
+        with open(FITTED_PATH, "w") as f:
+            json.dump({"generated_by": "python benches/fit_costmodel.py --write", "transports": res}, f, indent=1)
+            f.write("\n")
     return 0
 
 

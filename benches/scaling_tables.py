@@ -8,8 +8,8 @@ from __future__ import annotations
 import argparse
 import sys
 
-from gradcoll.algorithms import select_allreduce
-from gradcoll.costmodel import ALGORITHMS, best, busbw, crossovers, link_model, predict
+from gradcoll.algorithms import auto_thresholds
+from gradcoll.costmodel import ALGORITHMS, best, busbw, crossovers, link_model, predict, stored_models
 
 #: Reduction throughput: docs/performance.md, 2 inputs x 1e7 float32 (40 MB of incoming contribution) in 5.52 ms.
 REDUCE_BPS = 40e6 / 5.52e-3
@@ -45,21 +45,28 @@ def tables() -> None:
 
 
 def crossover_table() -> None:
-    print("\n| link | ranks | model: best algorithm by size | `auto` today |")
-    print("|--|--:|--|--|")
+    print("\n| link | ranks | model: best algorithm by size |")
+    print("|--|--:|--|")
     for name, m in LINKS.items():
         for n in (2, 4, 8, 16, 64, 128, 1024):
             xs = crossovers(m, n, lo=1 << 10, hi=1 << 30)
             first = best(n, 1 << 10, m)
             text = SHORT[first] + "".join(f" -> {SHORT[b]} from {human(s)}" for s, _, b in xs)
-            auto = []
-            prev = None
-            for k in range(10, 31):
-                a = select_allreduce(1 << k, n)
-                if a != prev:
-                    auto.append(SHORT[a] if prev is None else f"{SHORT[a]} from {human(1 << k)}")
-                    prev = a
-            print(f"| {name} | {n} | {text} | {' -> '.join(auto)} |")
+            print(f"| {name} | {n} | {text} |")
+
+
+def auto_table() -> None:
+    """What algorithm="auto" runs: the crossovers of the stored fitted models (gradcoll/costmodel_fitted.json)."""
+    models = stored_models()
+    print("\n| transport | model | ranks | `auto`: algorithm by size |")
+    print("|--|--|--:|--|")
+    for tr in sorted(models):
+        m, cores, max_ranks = models[tr]
+        for n in (2, 3, 4, 8, 16, 64, 1024):
+            table = auto_thresholds(n, tr)
+            text = SHORT[table[0][1]] + "".join(f" -> {SHORT[a]} from {human(at)}" for at, a in table[1:])
+            where = f"{n} ranks on {cores:g} cores" if cores is not None and n <= max_ranks else "a core per rank"
+            print(f"| {tr} | {where} | {n} | {text} |")
 
 
 def plot(path: str) -> None:
@@ -92,6 +99,7 @@ def main() -> int:
     a = ap.parse_args()
     tables()
     crossover_table()
+    auto_table()
     if a.plot:
         plot(a.plot)
     return 0

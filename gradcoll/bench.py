@@ -4,9 +4,13 @@ The driver launches N ranks (:func:`gradcoll.launch.launch`); each rank
 sweeps the sizes, times ``iters`` allreduces after ``warmup`` ones, checks
 the result against the exact expected mean (#wrong) and reports one JSON line
 per size. The driver renders a progress bar and the table: size, count,
-dtype, algorithm, transport, time avg/min/max across ranks, algbw and busbw
-(busbw = algbw x 2(n-1)/n, as nccl-tests define it), #wrong. ``--json`` keeps
-the rows; ``--plot`` draws busbw against size (needs matplotlib).
+dtype, algorithm, transport, time avg/min/max across ranks (of each rank's
+mean over the timed iterations), algbw and busbw (busbw = algbw x 2(n-1)/n,
+as nccl-tests define it), #wrong. ``--json`` keeps
+the rows, which also carry ``time_med_us``: the median of a rank's
+per-iteration times, averaged across ranks (robust to a few iterations
+slowed by other load on the machine); ``--plot`` draws busbw against size
+(needs matplotlib).
 """
 
 from __future__ import annotations
@@ -71,13 +75,16 @@ def worker_main(argv: Sequence[str] | None = None) -> int:
         for _ in range(a.warmup - 1):
             group.allreduce(buf, op="mean", algorithm=a.algorithm)
         group.barrier()
-        t0 = time.perf_counter()
-        for _ in range(a.iters):
+        laps = np.empty(a.iters)
+        t0 = t1 = time.perf_counter()
+        for i in range(a.iters):
             # Means of identical small-integer-derived values are exact: buf stays put.
             group.allreduce(buf, op="mean", algorithm=a.algorithm)
-        dt = (time.perf_counter() - t0) / a.iters
+            t2 = time.perf_counter()
+            laps[i], t1 = t2 - t1, t2
+        dt = (t1 - t0) / a.iters
         wrong = int(np.count_nonzero(buf != _expected(base, world)))
-        stats = group.allgather(np.array([dt, wrong], np.float64))
+        stats = group.allgather(np.array([dt, wrong, np.median(laps)], np.float64))
         if rank == 0:
             row = {
                 "size": nbytes,
@@ -89,6 +96,7 @@ def worker_main(argv: Sequence[str] | None = None) -> int:
                 "time_avg_us": float(stats[:, 0].mean() * 1e6),
                 "time_min_us": float(stats[:, 0].min() * 1e6),
                 "time_max_us": float(stats[:, 0].max() * 1e6),
+                "time_med_us": float(stats[:, 2].mean() * 1e6),
                 "wrong": int(stats[:, 1].sum()),
             }
             t = row["time_max_us"] * 1e-6

@@ -1,68 +1,142 @@
 """An alpha-beta-gamma cost model of the allreduce algorithms (docs/scaling.md).
 
-A transport is described by three numbers (:class:`AlphaBeta`):
+A transport is described by :class:`AlphaBeta`:
 
 * ``alpha_s``: fixed cost of one message on the critical path (latency plus
   per-message software overhead), seconds;
-* ``beta_s_per_byte``: seconds per byte pushed through one rank's link
-  (1 / bandwidth; a rank's sends share its egress, its receives its ingress);
+* ``beta_s_per_byte``: seconds per byte through one rank's link (1 /
+  bandwidth). Full duplex: a rank's sends share its egress, its receives its
+  ingress. Zero for loopback transports, which have no link;
 * ``gamma_s_per_byte``: seconds per byte of incoming contribution added into
-  a partial sum by the reduction kernel.
+  a partial sum by the reduction kernel (CPU);
+* ``delta_s_per_byte``: CPU seconds per byte a rank copies into or out of the
+  transport (the send side's copy in, the receive side's copy out, and the
+  star root's copy of its own input). On the rank's own core, so a rank's
+  sends and receives add up (half duplex); zero for a link whose transfers
+  cost no CPU;
+* ``switch_s``: per message on the critical path, the extra cost of waking a
+  descheduled peer when a node runs more ranks than it has cores, times
+  ``ranks / cores - 1``;
+* ``mem_s_per_byte`` and ``cache_bytes``: the extra CPU cost per byte
+  (copied or reduced) of the part of the node's working set (``S`` times the
+  ranks on the node) that does not fit in ``cache_bytes``.
 
-:func:`terms` gives, for one algorithm, world size and buffer size, the
-number of messages, link bytes and reduced bytes on the critical path, so the
-predicted time is ``alpha * m + beta * b + gamma * r`` (:func:`predict`):
+The node is an explicit input (:class:`Node`: ranks on one node and the
+cores they share); the default, ``node=None``, gives every rank a core of its
+own (and the cache to itself), which is what the 8-1,024-rank cluster
+predictions assume.
+
+:func:`work` gives, for one algorithm, world size and buffer size ``S``, the
+messages, link bytes, reduced bytes and copied bytes on the critical path,
+and the mean copied and reduced bytes of the other ranks:
 
 * ``ring``: ``2 (n-1)`` steps of ``S/n`` bytes, ``n-1`` of them followed by
-  the reduction of ``S/n`` bytes. The model treats each step as one message
-  (it ignores the segment pipelining of :mod:`gradcoll.algorithms.ring`, which
-  can hide part of the reduction behind the next transfer).
+  the reduction of ``S/n``; every step copies ``S/n`` in and ``S/n`` out.
+  The model treats each step as one message (it ignores the segment
+  pipelining of :mod:`gradcoll.algorithms.ring`, which can hide part of the
+  reduction behind the next transfer when the link, not the CPU, moves the
+  bytes).
 * ``star``: rank 0 receives ``(n-1) S`` through its ingress, adds ``(n-1) S``
-  and sends ``(n-1) S`` through its egress; two message latencies.
-* ``recursive_doubling``: ``log2 p`` exchanges of ``S`` bytes, each followed
-  by the reduction of ``S`` bytes (``p`` the largest power of two <= n); when
-  ``n`` is not a power of two, a fold (``S`` bytes, reduced) and an unfold
-  (``S`` bytes) more.
+  and sends ``(n-1) S``; two message latencies. Copies on the critical path:
+  the first sender's ``S``, the root's ``2 (n-1) S`` plus ``S`` (its own
+  input into the reduction rows), the last receiver's ``S``.
+* ``recursive_doubling``: ``log2 p`` exchanges of ``S`` bytes (``S`` copied
+  in and ``S`` out), each followed by the reduction of ``S`` (``p`` the
+  largest power of two <= n); when ``n`` is not a power of two, a fold
+  (``S`` bytes, copied by both ends, reduced) and an unfold (``S``, copied by
+  both ends) more.
 
-:func:`fit` estimates the three numbers from ``gradcoll bench --json`` rows
-of several algorithms and sizes by least squares on these terms (relative
-residuals, so small and large sizes weigh alike; a parameter that comes out
-negative is dropped and the rest refitted). :func:`crossovers` lists the
-sizes where the fastest algorithm changes. The simulated transport
+:func:`predict` adds ``alpha m + switch m x + beta b + cpu``, where ``cpu`` is
+the critical rank's CPU work ``gamma r + delta k`` (plus the cache term), or,
+when the node's ranks outnumber its cores, the node's CPU work shared by
+its cores if that is more (``x = max(0, ranks / cores - 1)``).
+
+:func:`fit` estimates the parameters from ``gradcoll bench --json`` rows of
+several algorithms and sizes by least squares (relative residuals, so small
+and large sizes weigh alike; a parameter that comes out negative is dropped
+and the rest refitted; parameters can be held fixed). :func:`crossovers`
+lists the sizes where the fastest algorithm changes; :func:`stored_models`
+reads the models fitted to this project's measurements
+(``costmodel_fitted.json``, written by ``benches/fit_costmodel.py``), from
+which ``algorithm="auto"`` takes its thresholds. The simulated transport
 :mod:`gradcoll.transport.sim` runs the real algorithm code against the same
-model; its virtual times equal these closed forms.
+model (one core per rank); its virtual times equal these closed forms.
 """
 
 from __future__ import annotations
 
+import functools
+import json
 import math
+import os
 from collections.abc import Iterable, Mapping, Sequence
-from dataclasses import dataclass
-from typing import Any
+from dataclasses import dataclass, fields
+from typing import Any, NamedTuple
 
 import numpy as np
 
 from .errors import UsageError
 
-__all__ = ["AlphaBeta", "ALGORITHMS", "terms", "predict", "best", "fit", "crossovers", "busbw", "link_model"]
+__all__ = ["AlphaBeta", "Node", "Work", "ALGORITHMS", "PARAMETERS", "terms", "work", "predict", "best", "fit",
+           "crossovers", "busbw", "link_model", "stored_models", "FITTED_PATH"]
 
 #: The algorithms the model covers.
 ALGORITHMS = ("ring", "star", "recursive_doubling")
 
+#: The linear parameters :func:`fit` can estimate, in this order.
+PARAMETERS = ("alpha_s", "switch_s", "beta_s_per_byte", "gamma_s_per_byte", "delta_s_per_byte", "mem_s_per_byte")
+
+#: The stored models fitted to this project's measurements (``benches/fit_costmodel.py --write``).
+FITTED_PATH = os.path.join(os.path.dirname(os.path.abspath(__file__)), "costmodel_fitted.json")
+
 
 @dataclass(frozen=True)
 class AlphaBeta:
-    """Per-message latency, seconds per link byte, seconds per reduced byte."""
+    """Per-message latency, seconds per link byte, per reduced byte, per copied byte; oversubscription and cache terms."""
 
     alpha_s: float
     beta_s_per_byte: float
     gamma_s_per_byte: float
+    delta_s_per_byte: float = 0.0
+    switch_s: float = 0.0
+    mem_s_per_byte: float = 0.0
+    cache_bytes: float = 0.0
 
     def describe(self) -> str:
-        """``alpha 12.3 us, beta 1.05 GB/s, gamma 4.2 GB/s`` (bandwidths as 1/beta, 1/gamma)."""
+        """``alpha 12.3 us, beta 1.05 GB/s, gamma 4.2 GB/s`` (bandwidths as 1/beta, ...), then the optional terms."""
         def bw(x: float) -> str:
             return "inf" if x <= 0 else f"{1 / x / 1e9:.3g} GB/s"
-        return f"alpha {self.alpha_s * 1e6:.3g} us, beta {bw(self.beta_s_per_byte)}, gamma {bw(self.gamma_s_per_byte)}"
+        out = f"alpha {self.alpha_s * 1e6:.3g} us, beta {bw(self.beta_s_per_byte)}, gamma {bw(self.gamma_s_per_byte)}"
+        if self.delta_s_per_byte:
+            out += f", delta {bw(self.delta_s_per_byte)}"
+        if self.switch_s:
+            out += f", switch {self.switch_s * 1e6:.3g} us"
+        if self.mem_s_per_byte:
+            out += f", mem {self.mem_s_per_byte * 1e12:.3g} ps/B beyond {self.cache_bytes / (1 << 20):.3g} MiB"
+        return out
+
+
+@dataclass(frozen=True)
+class Node:
+    """``ranks`` ranks of the world run on one node and share its ``cores`` cores (and its cache)."""
+
+    ranks: int
+    cores: float
+
+    def __post_init__(self) -> None:
+        if self.ranks < 1 or self.cores <= 0:
+            raise UsageError(f"a node needs ranks >= 1 and cores > 0, got {self.ranks} ranks, {self.cores} cores")
+
+
+class Work(NamedTuple):
+    """Critical-path terms of one allreduce (see :func:`work`)."""
+
+    messages: float
+    link_bytes: float
+    reduced: float
+    copied: float
+    other_reduced: float  # mean over the other ranks
+    other_copied: float
 
 
 def link_model(gbit_per_s: float, alpha_s: float, reduce_bytes_per_s: float) -> AlphaBeta:
@@ -70,32 +144,61 @@ def link_model(gbit_per_s: float, alpha_s: float, reduce_bytes_per_s: float) -> 
     return AlphaBeta(alpha_s, 8.0 / (gbit_per_s * 1e9), 1.0 / reduce_bytes_per_s)
 
 
-def terms(algorithm: str, n: int, nbytes: float) -> tuple[float, float, float]:
-    """(messages, link bytes, reduced bytes) on the critical path of one allreduce."""
+def work(algorithm: str, n: int, nbytes: float) -> Work:
+    """Messages, link bytes, reduced bytes, copied bytes on the critical path; the other ranks' mean reduced/copied."""
     if n < 1:
         raise UsageError(f"world size must be >= 1, got {n}")
     if n == 1:
-        return 0.0, 0.0, 0.0
+        return Work(0.0, 0.0, 0.0, 0.0, 0.0, 0.0)
     s = float(nbytes)
     if algorithm == "ring":
         c = s / n
-        return 2.0 * (n - 1), 2.0 * (n - 1) * c, (n - 1) * c
+        return Work(2.0 * (n - 1), 2.0 * (n - 1) * c, (n - 1) * c, 4.0 * (n - 1) * c, (n - 1) * c, 4.0 * (n - 1) * c)
     if algorithm == "star":
-        return 2.0, 2.0 * (n - 1) * s, (n - 1) * s
+        return Work(2.0, 2.0 * (n - 1) * s, (n - 1) * s, (2.0 * n + 1) * s, 0.0, 2.0 * s)
     if algorithm == "recursive_doubling":
         p = 1 << (n.bit_length() - 1)
         rounds = p.bit_length() - 1
-        m, b, r = float(rounds), rounds * s, rounds * s
-        if n != p:
-            m, b, r = m + 2, b + 2 * s, r + s
-        return m, b, r
+        if n == p:
+            return Work(float(rounds), rounds * s, rounds * s, 2.0 * rounds * s, rounds * s, 2.0 * rounds * s)
+        r = n - p  # r ranks fold in and sit out, r fold and unfold, p - r only exchange
+        other_red = ((r - 1) * (rounds + 1) * s + (p - r) * rounds * s) / (n - 1)
+        other_cp = (r * 2 * s + (r - 1) * (2 * rounds + 2) * s + (p - r) * 2 * rounds * s) / (n - 1)
+        return Work(rounds + 2.0, (rounds + 2) * s, (rounds + 1) * s, (2.0 * rounds + 4) * s, other_red, other_cp)
     raise UsageError(f"unknown algorithm {algorithm!r}; the model covers {', '.join(ALGORITHMS)}")
 
 
-def predict(algorithm: str, n: int, nbytes: float, model: AlphaBeta) -> float:
-    """Predicted seconds for one allreduce of ``nbytes`` on ``n`` ranks."""
-    m, b, r = terms(algorithm, n, nbytes)
-    return model.alpha_s * m + model.beta_s_per_byte * b + model.gamma_s_per_byte * r
+def terms(algorithm: str, n: int, nbytes: float) -> tuple[float, float, float]:
+    """(messages, link bytes, reduced bytes) on the critical path of one allreduce."""
+    w = work(algorithm, n, nbytes)
+    return w.messages, w.link_bytes, w.reduced
+
+
+def _columns(algorithm: str, n: int, nbytes: float, node: Node | None, model: AlphaBeta | None) -> np.ndarray:
+    """The coefficients of :data:`PARAMETERS` in the predicted time (the CPU branch chosen with ``model``)."""
+    w = work(algorithm, n, nbytes)
+    ranks, cores = (1, 1.0) if node is None else (min(node.ranks, n), node.cores)
+    cache = 0.0 if model is None else model.cache_bytes
+    out_of_cache = max(0.0, 1.0 - cache / (float(nbytes) * ranks)) if nbytes > 0 else 0.0
+    crit = np.array([w.reduced, w.copied, out_of_cache * (w.reduced + w.copied)])
+    red = w.reduced + (ranks - 1) * w.other_reduced
+    cp = w.copied + (ranks - 1) * w.other_copied
+    shared = np.array([red, cp, out_of_cache * (red + cp)]) / cores
+    cpu = crit
+    if ranks > cores and model is not None:
+        g = np.array([model.gamma_s_per_byte, model.delta_s_per_byte, model.mem_s_per_byte])
+        if float(shared @ g) > float(crit @ g):
+            cpu = shared
+    return np.array([w.messages, w.messages * max(0.0, ranks / cores - 1.0), w.link_bytes, *cpu])
+
+
+def _vector(model: AlphaBeta) -> np.ndarray:
+    return np.array([getattr(model, f) for f in PARAMETERS])
+
+
+def predict(algorithm: str, n: int, nbytes: float, model: AlphaBeta, *, node: Node | None = None) -> float:
+    """Predicted seconds for one allreduce of ``nbytes`` on ``n`` ranks (``node``: None = a core per rank)."""
+    return float(_columns(algorithm, n, nbytes, node, model) @ _vector(model))
 
 
 def busbw(nbytes: float, n: int, seconds: float) -> float:
@@ -103,46 +206,78 @@ def busbw(nbytes: float, n: int, seconds: float) -> float:
     return nbytes / seconds * (2 * (n - 1) / n if n > 1 else 1.0)
 
 
-def best(n: int, nbytes: float, model: AlphaBeta, algorithms: Sequence[str] = ALGORITHMS) -> str:
+def best(n: int, nbytes: float, model: AlphaBeta, algorithms: Sequence[str] = ALGORITHMS, *,
+         node: Node | None = None) -> str:
     """The algorithm with the lowest predicted time (first listed wins ties)."""
-    return min(algorithms, key=lambda a: predict(a, n, nbytes, model))
+    return min(algorithms, key=lambda a: predict(a, n, nbytes, model, node=node))
 
 
-def fit(rows: Iterable[Mapping[str, Any]], *, time_key: str = "time_avg_us") -> AlphaBeta:
-    """Least-squares fit of (alpha, beta, gamma) to ``gradcoll bench --json`` rows.
+def _row_node(row: Mapping[str, Any]) -> Node | None:
+    cores = row.get("cores")
+    return None if cores is None else Node(int(row["ranks"]), float(cores))
+
+
+def fit(rows: Iterable[Mapping[str, Any]], *, time_key: str = "time_avg_us",
+        params: Sequence[str] = ("alpha_s", "beta_s_per_byte", "gamma_s_per_byte"),
+        fixed: Mapping[str, float] | None = None, cache_bytes: float = 0.0) -> AlphaBeta:
+    """Least-squares fit of the ``params`` (of :data:`PARAMETERS`) to ``gradcoll bench --json`` rows.
 
     Each row needs ``algorithm`` (one of :data:`ALGORITHMS`), ``ranks``,
-    ``size`` and ``time_key`` (microseconds). Residuals are relative to the
-    measured time. Rows of at least two algorithms (or two world sizes) are
-    needed to tell beta from gamma.
+    ``size`` and ``time_key`` (microseconds); a row with ``cores`` was
+    measured with all its ranks on one node of that many cores. Residuals are
+    relative to the measured time. ``fixed`` holds parameters at given values
+    (e.g. ``gamma_s_per_byte`` from a kernel benchmark); the rest are zero.
+    ``cache_bytes`` is not fitted (it enters non-linearly): try several.
+    Rows of at least two algorithms (or two world sizes) are needed to tell
+    the per-byte terms apart.
     """
-    a_rows: list[tuple[float, float, float]] = []
+    fixed = dict(fixed or {})
+    for name in (*params, *fixed):
+        if name not in PARAMETERS:
+            raise UsageError(f"unknown parameter {name!r}; fit knows {', '.join(PARAMETERS)}")
+    data: list[tuple[str, int, float, Node | None]] = []
     t_rows: list[float] = []
     for row in rows:
         algo = str(row["algorithm"])
         if algo not in ALGORITHMS:
             raise UsageError(f"row has algorithm {algo!r}; fit needs rows of {', '.join(ALGORITHMS)}")
-        a_rows.append(terms(algo, int(row["ranks"]), float(row["size"])))
+        data.append((algo, int(row["ranks"]), float(row["size"]), _row_node(row)))
         t_rows.append(float(row[time_key]) * 1e-6)
     if len(t_rows) < 3:
         raise UsageError(f"fit needs at least 3 rows, got {len(t_rows)}")
     t = np.asarray(t_rows)
-    a = np.asarray(a_rows) / t[:, None]  # relative residuals
-    y = np.ones_like(t)
-    active = [0, 1, 2]
-    coef = np.zeros(3)
-    while active:
-        sol, *_ = np.linalg.lstsq(a[:, active], y, rcond=None)
-        if (sol >= 0).all():
-            coef[:] = 0.0
-            coef[active] = sol
+    free = [PARAMETERS.index(p) for p in params if p not in fixed]
+    held = np.zeros(len(PARAMETERS))
+    for name, value in fixed.items():
+        held[PARAMETERS.index(name)] = value
+    coef = held.copy()
+    coef[free] = 1e-9  # any positive start: only picks the first CPU branch of oversubscribed rows
+    for _ in range(20):  # the CPU branch of oversubscribed rows depends on the parameters: iterate to a fixed point
+        model = _from_vector(coef, cache_bytes)
+        a = np.array([_columns(al, n, s, nd, model) for al, n, s, nd in data])
+        y = (t - a @ held) / t  # relative residuals
+        a = a / t[:, None]
+        active = list(free)
+        new = held.copy()
+        while active:
+            sol, *_ = np.linalg.lstsq(a[:, active], y, rcond=None)
+            if (sol >= 0).all():
+                new[active] = sol
+                break
+            active.pop(int(np.argmin(sol)))  # the most negative parameter goes to zero
+        if np.allclose(new, coef, rtol=1e-9, atol=0.0):
             break
-        active.pop(int(np.argmin(sol)))  # the most negative parameter goes to zero
-    return AlphaBeta(float(coef[0]), float(coef[1]), float(coef[2]))
+        coef = new
+    return _from_vector(coef, cache_bytes)
+
+
+def _from_vector(coef: np.ndarray, cache_bytes: float) -> AlphaBeta:
+    values = {name: float(v) for name, v in zip(PARAMETERS, coef, strict=True)}
+    return AlphaBeta(**values, cache_bytes=float(cache_bytes))
 
 
 def crossovers(model: AlphaBeta, n: int, *, lo: int = 1 << 10, hi: int = 1 << 30,
-               algorithms: Sequence[str] = ALGORITHMS) -> list[tuple[int, str, str]]:
+               algorithms: Sequence[str] = ALGORITHMS, node: Node | None = None) -> list[tuple[int, str, str]]:
     """``(nbytes, before, after)`` for every size in ``[lo, hi]`` where the fastest algorithm changes.
 
     The size is the smallest multiple of 4 bytes (one float32) at which ``after`` wins.
@@ -150,17 +285,34 @@ def crossovers(model: AlphaBeta, n: int, *, lo: int = 1 << 10, hi: int = 1 << 30
     out: list[tuple[int, str, str]] = []
     steps = 64 * max(1, int(math.log2(hi / lo)))
     grid = sorted({int(round(lo * (hi / lo) ** (i / steps))) // 4 * 4 for i in range(steps + 1)})
-    prev = best(n, grid[0], model, algorithms)
+    prev = best(n, grid[0], model, algorithms, node=node)
     for a, b in zip(grid, grid[1:], strict=False):
-        cur = best(n, b, model, algorithms)
+        cur = best(n, b, model, algorithms, node=node)
         if cur != prev:
             left, right = a, b  # best(left) == prev, best(right) == cur
             while right - left > 4:
                 mid = (left + right) // 8 * 4
-                if best(n, mid, model, algorithms) == prev:
+                if best(n, mid, model, algorithms, node=node) == prev:
                     left = mid
                 else:
                     right = mid
-            out.append((right, prev, best(n, right, model, algorithms)))
+            out.append((right, prev, best(n, right, model, algorithms, node=node)))
             prev = cur
+    return out
+
+
+@functools.cache
+def stored_models(path: str = FITTED_PATH) -> dict[str, tuple[AlphaBeta, float | None, int]]:
+    """The fitted models by transport: (model, cores of the node measured on or None, the largest world measured)."""
+    try:
+        with open(path) as f:
+            raw = json.load(f)
+    except OSError as exc:
+        raise UsageError(f"no stored cost models at {path} (run benches/fit_costmodel.py --write): {exc}") from exc
+    names = {f.name for f in fields(AlphaBeta)}
+    out: dict[str, tuple[AlphaBeta, float | None, int]] = {}
+    for name, entry in raw["transports"].items():
+        model = AlphaBeta(**{k: float(v) for k, v in entry["model"].items() if k in names})
+        cores = entry.get("cores")
+        out[name] = (model, None if cores is None else float(cores), int(entry["max_ranks"]))
     return out

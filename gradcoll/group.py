@@ -17,14 +17,10 @@ later call raises :class:`~gradcoll.errors.GroupPoisoned` chained to the
 original error. Misuse caught before anything is sent (a wrong dtype, an
 unknown op) raises :class:`~gradcoll.errors.UsageError` and does not.
 
-``algorithm="auto"`` picks by message size and world size with
-:func:`gradcoll.algorithms.select_allreduce` (thresholds measured on the
-2-core development machine over shm and tcp, see
-docs/algorithms/collectives.md): on 2 ranks recursive doubling below
-``PAIR_RING_BYTES`` (1 MiB) and the ring from there; on more the ring from
-``RING_BYTES`` (4 MiB) up; below that, on up to ``STAR_MAX_RANKS`` (8) ranks,
-recursive doubling for a power-of-two world and the star otherwise, and on
-more ranks recursive doubling (up to ``SMALL_BYTES``, 64 KiB) or the ring.
+``algorithm="auto"`` runs what the cost model fitted to this project's
+measurements predicts fastest for the message size, the world size and the
+transport (:func:`gradcoll.algorithms.select_allreduce`; the thresholds and
+how they are derived are in docs/scaling.md).
 """
 
 from __future__ import annotations
@@ -307,7 +303,7 @@ class ProcessGroup:
         limit = self._timeout(timeout)
         fn: Callable[..., Any] = deterministic_allreduce
         kw: dict[str, Any] = {"segment_bytes": self.segment_bytes} if algo == "ring" else {}
-        nseq, name = 2, f"deterministic {algo} allreduce"
+        nseq, name = 1, f"deterministic {algo} allreduce"
         if not deterministic:
             fmt = wire_of(work, wire)
             fn, nseq, name, kw = wire_allreduce, 1, f"{algo} allreduce ({fmt} wire)", {"wire": fmt}
@@ -448,7 +444,7 @@ class ProcessGroup:
 
     def _pick(self, algorithm: str, nbytes: int) -> str:
         if algorithm == "auto":
-            return select_allreduce(nbytes, self.size)
+            return select_allreduce(nbytes, self.size, self.transport.name)
         if algorithm not in ALLREDUCE:
             raise UsageError(f"unknown allreduce algorithm {algorithm!r}; known: auto, {', '.join(ALLREDUCE)}")
         return algorithm

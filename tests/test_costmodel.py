@@ -6,7 +6,8 @@ import numpy as np
 import pytest
 
 from gradcoll import kernels
-from gradcoll.costmodel import ALGORITHMS, AlphaBeta, best, crossovers, fit, predict, terms
+from gradcoll.algorithms import DEFAULT_TRANSPORT, SEARCH_BYTES, auto_thresholds, select_allreduce
+from gradcoll.costmodel import ALGORITHMS, AlphaBeta, Node, best, crossovers, fit, predict, stored_models, terms, work
 from gradcoll.errors import UsageError
 from gradcoll.transport.sim import simulate
 
@@ -81,3 +82,87 @@ def test_sim_ring_pipelining_is_not_slower() -> None:
     # With 1 MiB segments part of the reduction hides behind the next transfer.
     seg = simulate("ring", 8, 64 << 20, MODEL, elems_per_rank=64, segment_bytes=1 << 20)
     assert max(seg) <= predict("ring", 8, 64 << 20, MODEL) * 1.02
+
+
+LOOPBACK = AlphaBeta(30e-6, 0.0, 1 / 4e9, delta_s_per_byte=1 / 15e9, switch_s=100e-6, mem_s_per_byte=7e-11,
+                     cache_bytes=16 << 20)
+
+
+@pytest.mark.parametrize("algorithm", ALGORITHMS)
+@pytest.mark.parametrize("n", [2, 8, 12])
+@pytest.mark.parametrize("nbytes", [1 << 20, 1 << 30])
+def test_sim_matches_closed_form_with_copies_and_cache(algorithm: str, n: int, nbytes: int) -> None:
+    # delta (copies on each rank's CPU, half duplex) and the cache term are in both the simulation and the closed form.
+    assert max(simulate(algorithm, n, nbytes, LOOPBACK)) == pytest.approx(predict(algorithm, n, nbytes, LOOPBACK), rel=0.02)
+
+
+def test_work_counts_copies_on_the_critical_path() -> None:
+    s = 1 << 20
+    assert work("ring", 4, s).copied == 4 * 3 * s / 4  # every step copies S/n in and S/n out
+    assert work("star", 4, s).copied == 9 * s  # first sender, root 2(n-1) S + its own copy, last receiver
+    assert work("recursive_doubling", 4, s).copied == 4 * s
+    assert work("recursive_doubling", 6, s)[:4] == (4, 4 * s, 3 * s, 8 * s)
+
+
+def test_node_sharing_scales_symmetric_algorithms_not_the_star() -> None:
+    cpu_only = AlphaBeta(0.0, 0.0, 1e-9, delta_s_per_byte=1e-9)
+    s = 1 << 24
+    for algo in ("ring", "recursive_doubling"):  # every rank busy: 4 ranks on 2 cores take twice as long
+        assert predict(algo, 4, s, cpu_only, node=Node(4, 2)) == pytest.approx(2 * predict(algo, 4, s, cpu_only))
+    # The star's non-roots idle while the root works: the root keeps a core.
+    assert predict("star", 4, s, cpu_only, node=Node(4, 2)) == pytest.approx(predict("star", 4, s, cpu_only))
+    # A node with a core per rank changes nothing but the cache it shares; extra wake-up cost only when ranks
+    # outnumber cores.
+    assert predict("ring", 4, s, cpu_only, node=Node(4, 4)) == pytest.approx(predict("ring", 4, s, cpu_only))
+    assert predict("ring", 4, s, LOOPBACK, node=Node(4, 4)) > predict("ring", 4, s, LOOPBACK)
+    assert predict("ring", 4, 4096, LOOPBACK, node=Node(4, 2)) > predict("ring", 4, 4096, LOOPBACK) + 6 * 100e-6 * 0.99
+
+
+def test_fit_recovers_the_loopback_model() -> None:
+    rng = np.random.default_rng(1)
+    rows = []
+    for n in (2, 4):
+        for algo in ALGORITHMS:
+            for k in range(16, 27):
+                t = predict(algo, n, 1 << k, LOOPBACK, node=Node(n, 2)) * (1 + 0.01 * rng.standard_normal())
+                rows.append({"algorithm": algo, "ranks": n, "size": 1 << k, "cores": 2, "time_med_us": t * 1e6})
+    params = ("alpha_s", "switch_s", "gamma_s_per_byte", "delta_s_per_byte", "mem_s_per_byte")
+    m = fit(rows, time_key="time_med_us", params=params, cache_bytes=16 << 20)
+    for name in params:
+        assert getattr(m, name) == pytest.approx(getattr(LOOPBACK, name), rel=0.15), name
+    with pytest.raises(UsageError):
+        fit(rows, params=("nope",))
+
+
+def test_stored_models_load() -> None:
+    models = stored_models()
+    assert {"shm", "tcp"} <= set(models)
+    for model, cores, max_ranks in models.values():
+        assert model.alpha_s > 0 and model.delta_s_per_byte > 0 and model.gamma_s_per_byte > 0
+        assert cores is None or cores >= 1
+        assert max_ranks >= 2
+
+
+@pytest.mark.parametrize("transport", ["shm", "tcp", None, "mpi"])
+@pytest.mark.parametrize("n", [2, 3, 4, 5, 8, 16, 64, 1024])
+def test_auto_thresholds_are_the_model_crossovers(transport: str | None, n: int) -> None:
+    models = stored_models()
+    model, cores, max_ranks = models.get(transport or DEFAULT_TRANSPORT) or models[DEFAULT_TRANSPORT]
+    node = Node(n, cores) if cores is not None and n <= max_ranks else None  # as measured, else a core per rank
+    lo, hi = SEARCH_BYTES
+    xs = crossovers(model, n, lo=lo, hi=hi, node=node)
+    table = auto_thresholds(n, transport)
+    assert table == ((0, best(n, lo, model, node=node)), *((at, after) for at, _, after in xs))
+    for at, algo in table[1:]:  # select_allreduce switches exactly there
+        assert select_allreduce(at, n, transport) == algo
+        assert select_allreduce(at - 4, n, transport) != algo
+    assert select_allreduce(hi * 4, n, transport) == table[-1][1]
+    assert select_allreduce(1, n, transport) == table[0][1]
+
+
+def test_auto_keeps_the_shape() -> None:
+    # Recursive doubling or the star for small buffers, the ring for large ones, at every world size.
+    for n in (2, 3, 4, 8, 64, 1024):
+        assert select_allreduce(1 << 30, n) == "ring"
+        assert select_allreduce(4 << 10, n) in ("recursive_doubling", "star")
+    assert select_allreduce(64, 1) in ("recursive_doubling", "star", "ring")

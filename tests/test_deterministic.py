@@ -6,8 +6,10 @@ from typing import Any
 
 import numpy as np
 import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
-from gradcoll.algorithms.deterministic import deterministic_allreduce, fraction_bits
+from gradcoll.algorithms.deterministic import deterministic_allreduce, exact_reduce, fraction_bits
 from gradcoll.errors import NonFiniteError, UsageError
 from gradcoll.group import ProcessGroup
 from gradcoll.testing import gather_ranks
@@ -71,9 +73,81 @@ def test_edge_counts_and_zeros() -> None:
         data = [np.zeros(count, np.float32) for _ in range(3)]
         for algo in ALGOS:
             assert all(not b.any() for b in allreduce_all(data, algo))
+    neg = [np.full(4, -0.0, np.float32) for _ in range(3)]
+    assert all(np.signbit(allreduce_all(neg, algo)[0]).all() for algo in ALGOS)  # -0 + -0 + -0 stays -0
+    # Each element has its own grid: a tiny element next to a huge one elsewhere in the buffer is exact.
     data = [np.array([1e-40, -3e38, 2.5], np.float32), np.array([1e-40, 3e38, 0.5], np.float32)]
-    # 2.5 and 0.5 lie 127 binades below the largest magnitude: below the grid they round to 0 (documented).
-    assert allreduce_all(data, "ring", "sum")[0].tolist() == [0.0, 0.0, 0.0]
+    want = (np.stack(data).astype(np.float64).sum(0)).astype(np.float32)
+    for algo in ALGOS:
+        assert allreduce_all(data, algo, "sum")[0].tobytes() == want.tobytes()
+
+
+def test_equals_reference_for_any_spread_across_elements() -> None:
+    """Exactness depends only on the spread *within* an element, not across the buffer."""
+    rng = np.random.default_rng(7)
+    for n in (2, 5, 8):
+        base = 2.0 ** rng.integers(-120, 120, 3000)  # 240 binades across the buffer
+        data = [(base * rng.uniform(-4, 4, 3000)).astype(np.float32) for _ in range(n)]
+        ref = (np.stack(data).astype(np.float64).sum(0) / n).astype(np.float32)
+        for algo in ALGOS:
+            assert allreduce_all(data, algo)[0].tobytes() == ref.tobytes()
+
+
+def test_error_bound_beyond_the_exact_range() -> None:
+    """A contribution below its element's grid is rounded to it: |error| <= n * 2**(E-F-1) / n for a mean."""
+    n = 4
+    data = contributions(n, 2000, 80, seed=5)
+    got = allreduce_all(data, "ring")[0].astype(np.float64)
+    x = np.stack(data).astype(np.float64)
+    exact = x.sum(0) / n
+    e = np.frexp(np.abs(x).max(0))[1]
+    bound = np.ldexp(0.5, e - fraction_bits(n)) + np.abs(exact) * 2.0**-24  # grid rounding + the final float32 one
+    assert (np.abs(got - exact) <= bound).all()
+    assert (got != exact.astype(np.float32)).any()  # the spread really is beyond the exact range
+
+
+@pytest.mark.parametrize("dtype", [np.float32, np.float64])
+@pytest.mark.parametrize("k", [1, 2, 3, 7])
+def test_fused_kernel_matches_numpy_reference(dtype: Any, k: int) -> None:
+    rng = np.random.default_rng(k)
+    m = 5000
+    x = (rng.standard_normal((k + 1, m)) * 2.0 ** rng.integers(-60, 60, (k + 1, m))).astype(dtype)
+    x[:, :3] = 0.0
+    x[0, 1] = -0.0
+    x[k, 4] = np.inf
+    x[0, 5], x[k, 5] = np.inf, -np.inf
+    x[1 % (k + 1), 6] = np.nan
+    x[:, 7] = np.finfo(dtype).tiny / 8  # subnormal
+    x[:, 8] = np.finfo(dtype).max
+    a, b = np.empty(m, dtype), np.empty(m, dtype)
+    for div in (1.0, float(k + 1), 3.0):
+        ia = exact_reduce(x[0], x[1:], a, div, backend="numpy")
+        ib = exact_reduce(x[0], x[1:], b, div)
+        assert ia == ib == 4
+        assert a.tobytes() == b.tobytes()
+    same = x[0].copy()  # out may alias own
+    exact_reduce(same, x[1:], same, 3.0)
+    assert same.tobytes() == b.tobytes()
+
+
+@settings(max_examples=60, deadline=None)
+@given(st.integers(1, 7), st.integers(0, 300), st.integers(0, 2**32 - 1), st.sampled_from([np.float32, np.float64]))
+def test_kernel_is_order_independent(k: int, m: int, seed: int, dtype: Any) -> None:
+    rng = np.random.default_rng(seed)
+    x = (rng.standard_normal((k + 1, m)) * 2.0 ** rng.integers(-40, 40, (k + 1, m))).astype(dtype)
+    a, b = np.empty(m, dtype), np.empty(m, dtype)
+    exact_reduce(x[0], x[1:], a, k + 1.0)
+    y = x[rng.permutation(k + 1)]
+    exact_reduce(y[0], y[1:], b, k + 1.0, backend="numpy")
+    assert a.tobytes() == b.tobytes()
+
+
+def test_sum_overflow_halts_every_rank() -> None:
+    data = [np.array([1.0, 3e38, 2.0], np.float32) for _ in range(3)]
+    for algo in ALGOS:
+        bufs = [d.copy() for d in data]
+        _, err = run(3, lambda r, t, a=algo: deterministic_allreduce(t, bufs[r], algorithm=a, op="sum", seq=2))
+        assert all(isinstance(e, NonFiniteError) for e in err), (algo, err)
 
 
 def test_nonfinite_halts_every_rank() -> None:
@@ -98,4 +172,20 @@ def test_group_api_and_usage() -> None:
     out, err = run(4, body)
     assert err == [None] * 4
     assert len({o[0] for o in out} | {o[1] for o in out}) == 1
-    assert out[0][2] == 4  # two sequence numbers per deterministic allreduce
+    assert out[0][2] == 2  # one sequence number per deterministic allreduce
+
+
+def test_plain_against_deterministic_is_a_mismatch_not_a_hang() -> None:
+    from gradcoll.algorithms import ring_allreduce
+    from gradcoll.errors import CollectiveMismatch
+
+    data = contributions(3, 64, 3, seed=4)
+
+    def body(r: int, t: Any) -> None:
+        if r == 1:
+            ring_allreduce(t, data[r].copy(), seq=5, timeout=5.0)
+        else:
+            deterministic_allreduce(t, data[r].copy(), seq=5, timeout=5.0)
+
+    _, err = run(3, body)
+    assert all(isinstance(e, CollectiveMismatch) for e in err), err

@@ -56,6 +56,17 @@ def test_encode_decode_accumulate_match_oracle(wire: str, backend: str) -> None:
     assert np.array_equal(a1.view(np.uint32), a2.view(np.uint32))
 
 
+@pytest.mark.skipif("cudasim" not in WIRE_BACKENDS, reason="needs numba-cuda (pip install -e .[cuda]); runs under the simulator")
+def test_device_decode_table_is_copied_once_per_context() -> None:
+    from gradcoll._kernels import cuda as C
+
+    for wire in ("bf16", "fp16"):
+        first = C._wire_table(wire)
+        K.decode_wire(np.arange(8, dtype=np.uint16), wire=wire, backend="cudasim")
+        assert C._wire_table(wire) is first
+    assert C._wire_table("bf16") is not C._wire_table("fp16")
+
+
 def test_bf16_rounds_to_nearest_even_and_keeps_nan() -> None:
     x = np.array([0x3F808000, 0x3F818000, 0x3F808001, 0x7FC00001, 0xFF800001], np.uint32).view(np.float32)
     w = K.encode_wire(x, wire="bf16", check_finite=False)

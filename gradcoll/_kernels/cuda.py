@@ -248,13 +248,24 @@ def scale_device(buf: Any, factor: float) -> None:
 
 
 # -- low-precision wire: device arrays (and host arrays through the device) ---------------
+_WIRE_TABLES: dict[tuple[str, int], tuple[Any, Any]] = {}
+_TABLE_LOCK = threading.Lock()  # (wire, context) -> the 256 KiB decode table on that device
+
+
 def _wire_table(wire: str) -> Any:
-    """The float32 value of every uint16 pattern of ``wire``, on the device (one copy per call site)."""
+    """The float32 value of every uint16 pattern of ``wire``, on the current device: copied once per context."""
     from .wire_reference import fp16_table
 
-    if wire == "fp16":
-        return cuda.to_device(fp16_table())
-    return cuda.to_device((np.arange(1 << 16, dtype=np.uint32) << 16).view(np.float32))
+    ctx = None if config.ENABLE_CUDASIM else cuda.current_context()  # the simulator has one (fresh-object) context
+    key = (wire, id(ctx))
+    with _TABLE_LOCK:
+        cached = _WIRE_TABLES.get(key)
+        if cached is not None and cached[0] is ctx:
+            return cached[1]
+        host = fp16_table() if wire == "fp16" else (np.arange(1 << 16, dtype=np.uint32) << 16).view(np.float32)
+        table = cuda.to_device(host)
+        _WIRE_TABLES[key] = (ctx, table)  # the context is kept with it: an id is never reused while cached
+        return table
 
 
 def encode_wire_device(src: Any, dst: Any, wire: str, check: bool) -> Any:

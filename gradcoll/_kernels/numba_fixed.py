@@ -1,40 +1,122 @@
-"""Numba kernels of the deterministic allreduce: to and from the float64 fixed-point carrier.
+"""Numba kernels of the deterministic allreduce: the exact reduction of :mod:`.fixed_reference`, fused.
 
-``to_fixed`` is ``rint(x * 2**k)`` widened to float64 in one pass (the only
-rounding of a contribution); ``from_fixed`` scales back by ``2**-k``,
-divides by ``n`` for a mean and stores in the buffer's dtype, also one pass.
-``peak`` is ``max |x|`` with NaN propagated. No fastmath: the rounding and
-NaN behaviour must be IEEE's on every machine.
+Per element: the largest magnitude's exponent as an integer max over the
+contributions' bits; the scale ``2**(F-E)`` built from that exponent's bits
+(no table, no libm call); every contribution scaled, rounded to an integer
+and summed exactly in float64; scaled back, divided and stored. Rounding to
+an integer uses ``(y + 1.5 * 2**52) - 1.5 * 2**52``, which is ``rint`` (round
+half to even) for ``|y| < 2**51`` and vectorises, where a call to ``rint``
+does not. Two-contribution calls (a 2-rank ring, and the commonest) take a
+single loop; more contributions go through 2,048-element blocks so that each
+inner loop is a straight vectorisable line.
+
+Serial on purpose: each rank of a group runs it on its own chunk, and
+threads would only compete with the other ranks for the cores. No fastmath:
+the rounding trick, the NaN/Inf handling and the float64 rounding must be
+IEEE's on every machine, or the bits would differ between ranks.
+
+``recip`` is ``1 / divisor`` when that is a power of two (then multiplying
+gives the same bits as dividing, several times faster), else 0.
+``limit`` is the smallest float64 magnitude that rounds to an infinity in
+the output dtype, so the overflow check needs no read-back of ``out``
+(which may alias ``own``: reading it back would stop the vectoriser).
 """
 
 from __future__ import annotations
 
 import numpy as np
-from numba import njit, prange
+from numba import njit, types
+from numba.extending import intrinsic
+
+_MAGIC = 6755399441055744.0  # 1.5 * 2**52
+_BLOCK = 2048
 
 
-@njit(cache=True, fastmath=False, parallel=True)
-def to_fixed(x, out, scale):
-    """``out = rint(x * scale)`` (scale a power of two)."""
-    for i in prange(x.shape[0]):
-        out[i] = np.rint(np.float64(x[i]) * scale)
+@intrinsic
+def _as_float64(typingctx, bits):
+    """The float64 whose bits are the int64 ``bits`` (a reinterpretation, not a conversion)."""
+    sig = types.float64(types.int64)
+
+    def codegen(context, builder, signature, args):
+        return builder.bitcast(args[0], context.get_value_type(types.float64))
+
+    return sig, codegen
 
 
-@njit(cache=True, fastmath=False, parallel=True)
-def from_fixed(fx, out, scale, divisor):
-    """``out = (fx * scale) / divisor`` rounded once to ``out``'s dtype (after the float64 division)."""
-    for i in prange(fx.shape[0]):
-        out[i] = (fx[i] * scale) / divisor
+@njit(cache=True, fastmath=False, nogil=True, inline="always")
+def _store(res, o, w, divisor, recip, limit):
+    """``o[:w] = res[:w] / divisor`` (a multiplication when exact); the number of stored values that are not finite."""
+    bad = 0
+    if recip > 0.0:  # two loops, not a select inside one: each stays a straight vector loop
+        for j in range(w):
+            r = res[j] * recip
+            o[j] = r
+            bad += not (abs(r) < limit)
+    else:
+        for j in range(w):
+            r = res[j] / divisor
+            o[j] = r
+            bad += not (abs(r) < limit)
+    return bad
 
 
-@njit(cache=True, fastmath=False)
-def peak(x):
-    """max |x|; NaN if any element is NaN."""
-    m = 0.0
-    for i in range(x.shape[0]):
-        a = abs(np.float64(x[i]))
-        if not a <= m:  # true for a > m and for NaN
-            m = a
-            if a != a:
-                return a
-    return m
+@njit(cache=True, fastmath=False, nogil=True)
+def reduce_pair(own, row, own_bits, row_bits, out, mask, shift, top, hi, lo, bmin, divisor, limit, recip):
+    """Two contributions, ``own`` and ``row``; returns True if some output is not finite."""
+    m = own.shape[0]
+    res = np.empty(_BLOCK, np.float64)  # results go through a private block: ``out`` may be ``own``
+    bad = 0
+    for i0 in range(0, m, _BLOCK):
+        w = min(_BLOCK, m - i0)
+        a, ab, b_, bb = own[i0:i0 + w], own_bits[i0:i0 + w], row[i0:i0 + w], row_bits[i0:i0 + w]
+        for j in range(w):
+            mb = max(ab[j] & mask, bb[j] & mask)
+            b = mb >> shift
+            be = max(np.int64(b), bmin)
+            sc = _as_float64((hi - be) << 52)
+            x = np.float64(a[j])
+            y = np.float64(b_[j])
+            s = ((x * sc + _MAGIC) - _MAGIC) + ((y * sc + _MAGIC) - _MAGIC)
+            v = (x + y) if (b == top) | (mb == 0) else s * _as_float64((be + lo) << 52)
+            res[j] = v
+        bad += _store(res, out[i0:i0 + w], w, divisor, recip, limit)
+    return bad > 0
+
+
+@njit(cache=True, fastmath=False, nogil=True)
+def reduce_rows(own, rows, own_bits, rows_bits, out, mask, shift, top, hi, lo, bmin, divisor, limit, recip):
+    """``own`` plus every row of ``rows``; returns True if some output is not finite."""
+    m = own.shape[0]
+    k = rows.shape[0]
+    mb = np.empty(_BLOCK, own_bits.dtype)
+    acc = np.empty(_BLOCK, np.float64)
+    plain = np.empty(_BLOCK, np.float64)
+    bad = 0
+    for i0 in range(0, m, _BLOCK):
+        w = min(_BLOCK, m - i0)
+        ob = own_bits[i0:i0 + w]
+        for j in range(w):
+            mb[j] = ob[j] & mask
+        for r in range(k):
+            rb = rows_bits[r, i0:i0 + w]
+            for j in range(w):
+                mb[j] = max(mb[j], rb[j] & mask)
+        x0 = own[i0:i0 + w]
+        for j in range(w):
+            sc = _as_float64((hi - max(np.int64(mb[j] >> shift), bmin)) << 52)
+            x = np.float64(x0[j])
+            acc[j] = (x * sc + _MAGIC) - _MAGIC
+            plain[j] = x
+        for r in range(k):
+            xr = rows[r, i0:i0 + w]
+            for j in range(w):
+                sc = _as_float64((hi - max(np.int64(mb[j] >> shift), bmin)) << 52)
+                x = np.float64(xr[j])
+                acc[j] += (x * sc + _MAGIC) - _MAGIC
+                plain[j] += x
+        for j in range(w):
+            b = mb[j] >> shift
+            be = max(np.int64(b), bmin)
+            acc[j] = plain[j] if (b == top) | (mb[j] == 0) else acc[j] * _as_float64((be + lo) << 52)
+        bad += _store(acc, out[i0:i0 + w], w, divisor, recip, limit)
+    return bad > 0

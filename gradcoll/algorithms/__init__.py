@@ -10,7 +10,9 @@ agrees on what ran, who was there and whether the inputs were finite, and
 raises the same error if not. :class:`~gradcoll.group.ProcessGroup` is the
 usual way in; these functions are the layer below it.
 
-Allreduce algorithms, chosen by :func:`select_allreduce` for ``"auto"``:
+Allreduce algorithms, chosen by :func:`select_allreduce` for ``"auto"`` (the
+one the cost model of :mod:`gradcoll.costmodel`, fitted to measurements,
+predicts fastest):
 
 * ``recursive_doubling``: log2(n) rounds, latency-optimal for small buffers;
 * ``star``: everything through rank 0, two steps, rank-order summation;
@@ -22,8 +24,11 @@ reduces, and ``workspace=`` to reuse scratch buffers across calls.
 
 from __future__ import annotations
 
+import bisect
+import functools
 from collections.abc import Callable
 
+from ..costmodel import Node, best, crossovers, stored_models
 from .allgather import allgather
 from .barrier import barrier
 from .broadcast import broadcast
@@ -42,10 +47,9 @@ __all__ = [
     "allgather",
     "reduce_scatter",
     "barrier",
-    "SMALL_BYTES",
-    "RING_BYTES",
-    "PAIR_RING_BYTES",
-    "STAR_MAX_RANKS",
+    "auto_thresholds",
+    "SEARCH_BYTES",
+    "DEFAULT_TRANSPORT",
 ]
 
 #: Allreduce algorithms by name.
@@ -55,34 +59,42 @@ ALLREDUCE: dict[str, Callable[..., object]] = {
     "recursive_doubling": recursive_doubling_allreduce,
 }
 
-#: From this many bytes on "auto" uses the ring on 3+ ranks.
-RING_BYTES = 4 << 20
-#: From this many bytes on "auto" uses the ring on 2 ranks.
-PAIR_RING_BYTES = 1 << 20
-#: Up to this many ranks "auto" sends buffers below RING_BYTES through the star
-#: (or recursive doubling when the world size is a power of two).
-STAR_MAX_RANKS = 8
-#: Beyond STAR_MAX_RANKS, up to this many bytes "auto" uses recursive doubling.
-SMALL_BYTES = 64 << 10
+#: Where "auto" looks for crossovers: below the first size the algorithm that wins there, above the last the one that wins there.
+SEARCH_BYTES = (64, 1 << 30)
+#: The stored model "auto" uses for a transport that has none of its own (``transport=None`` included).
+DEFAULT_TRANSPORT = "shm"
 
 
-def select_allreduce(nbytes: int, size: int) -> str:
-    """The algorithm ``algorithm="auto"`` runs for a buffer of ``nbytes`` on ``size`` ranks.
+@functools.lru_cache(maxsize=1024)
+def auto_thresholds(size: int, transport: str | None = None) -> tuple[tuple[int, str], ...]:
+    """What ``algorithm="auto"`` runs on ``size`` ranks: ``((from_bytes, algorithm), ...)``, ascending from 0.
 
-    Measured on the 2-core development machine over shm and tcp once the
-    agreement round left the happy path (docs/algorithms/collectives.md,
-    "Choosing an algorithm"): on 2 ranks recursive doubling (one exchange)
-    wins below 1 MiB and the ring (half the bytes through each copy) from
-    1 MiB; on 3-8 ranks recursive doubling wins below 4 MiB when the world
-    size is a power of two (no fold), the star otherwise (two steps against
-    four), and the ring from 4 MiB. Beyond 8 ranks (not measurable here) the
-    star's root becomes the bottleneck, so small buffers go to recursive
-    doubling (log2 n rounds) and the rest to the ring.
+    Derived once per (world size, transport) from the cost model fitted to
+    this project's measurements (:func:`gradcoll.costmodel.stored_models`,
+    written by ``benches/fit_costmodel.py --write``) with
+    :func:`gradcoll.costmodel.crossovers`. Up to the largest world measured,
+    the ranks share a node with the measured number of cores, as they did
+    when measured; beyond it every rank has a core of its own.
     """
-    if size <= 2:
-        return "recursive_doubling" if nbytes < PAIR_RING_BYTES else "ring"
-    if nbytes >= RING_BYTES:
-        return "ring"
-    if size <= STAR_MAX_RANKS:
-        return "recursive_doubling" if size & (size - 1) == 0 else "star"
-    return "recursive_doubling" if nbytes <= SMALL_BYTES else "ring"
+    models = stored_models()
+    model, cores, max_ranks = models.get(transport or DEFAULT_TRANSPORT) or models[DEFAULT_TRANSPORT]
+    if size <= 1:
+        return ((0, "recursive_doubling"),)
+    node = Node(size, cores) if cores is not None and size <= max_ranks else None
+    lo, hi = SEARCH_BYTES
+    out = [(0, best(size, lo, model, node=node))]
+    out.extend((at, after) for at, _, after in crossovers(model, size, lo=lo, hi=hi, node=node))
+    return tuple(out)
+
+
+def select_allreduce(nbytes: int, size: int, transport: str | None = None) -> str:
+    """The algorithm ``algorithm="auto"`` runs for a buffer of ``nbytes`` on ``size`` ranks over ``transport``.
+
+    The one the cost model predicts fastest (docs/scaling.md, "Crossovers and
+    ``algorithm="auto"``"): the thresholds come from :func:`auto_thresholds`,
+    computed once per world size and transport name (``"shm"``, ``"tcp"``;
+    other names and None use the ``DEFAULT_TRANSPORT`` model), so a call is
+    a cached lookup and a bisection.
+    """
+    table = auto_thresholds(size, transport)
+    return table[bisect.bisect_right(table, (nbytes, "~")) - 1][1]

@@ -1,33 +1,42 @@
-"""Bitwise-reproducible allreduce: exact fixed-point sums, one rounding at the end.
+"""Bitwise-reproducible allreduce: every element summed exactly where all its contributions meet.
 
 Floating-point addition is not associative, so the bits of an ordinary
 allreduce depend on the algorithm, the chunking and the order of arrival.
-This one does not:
+This one does not, and it moves the same bytes as the ordinary one:
 
-1. **Agree on a scale.** A tiny allreduce(max) of ``max |x|`` (8 bytes, by
-   recursive doubling) gives every rank the same binary exponent ``E`` with
-   ``max |x| < 2**E``. It also carries the finite check: a NaN/Inf anywhere
-   fails it on every rank, naming the rank.
-2. **Convert once.** Every element becomes the integer ``rint(x * 2**(F-E))``
-   with ``F = 52 - ceil(log2 n)`` fraction bits, held in a float64 (one
-   rounding per contribution, round-half-even, the same on every machine).
-   ``|integer| <= 2**F``, so any partial sum of up to ``n`` of them stays
-   below ``2**52``, where float64 addition of integers is *exact*.
-3. **Sum exactly.** The float64 integers go through the ordinary ring, star
-   or recursive-doubling allreduce with ``op="sum"``. Every addition is exact,
-   hence associative: the same bits whatever the algorithm, chunking,
-   transport, thread count or arrival order, for the same multiset of
-   contributions.
-4. **Round once.** ``sum * 2**(E-F)`` (exact), divided by ``n`` for a mean
-   (one float64 rounding) and stored in the buffer's dtype (one more).
+* Raw contributions travel, never partial sums. Every element is reduced by
+  exactly one kernel call that sees all ``n`` contributions of it at once
+  (:func:`exact_reduce`).
+* That kernel puts the element's contributions on a fixed-point grid set by
+  the largest of them (``2**(E-F)``, ``max |x| < 2**E``,
+  ``F = min(51, 52 - ceil(log2 n))``), rounds each to an integer once, sums
+  the integers exactly in float64 (all below ``2**52``) and rounds the sum
+  once to the output dtype. A maximum and an exact sum do not depend on
+  order, so the result is a function of the multiset of contributions alone:
+  the same bits whatever the algorithm, the chunking, the transport, the
+  thread count or the arrival order. The exact rules are in
+  :mod:`gradcoll._kernels.fixed_reference`.
+* Where an element's contributions lie within ``F - 24`` binades of its
+  largest (27 at 2 ranks, 25 at 8, 19 at 1,024; almost always for the
+  gradients of one parameter), nothing is rounded before the sum and the
+  result equals ``float32(float64_sum / n)`` bit for bit.
 
-When every float32 input is a multiple of ``2**(E-F)`` - its exponent within
-``F - 24`` binades of the largest (25 binades at 8 ranks, 23 at 32, 19 at
-1,024) - step 2 rounds nothing, and the result equals the float64 sum
-rounded to float32 (``float32(float64 sum / n)``) bit for bit. Smaller
-elements are rounded to the ``2**(E-F)`` grid first (absolute error at most
-``2**(E-F-1)`` each, still deterministic). Cost: one extra 8-byte round and
-float64 (twice the bytes) on the wire. See docs/algorithms/deterministic.md.
+Schedules (``algorithm``), each with the bytes of its ordinary counterpart:
+
+* ``ring``: a direct reduce-scatter (rank ``q`` sends its raw chunk ``c`` to
+  rank ``c``; ``n - 1`` chunks of ``S/n`` out, ``n - 1`` in), the owner
+  reduces its chunk with all ``n`` contributions, then the ring allgather of
+  the finished chunks.
+* ``star``: rank 0 receives every raw buffer, reduces, sends the result.
+* ``recursive_doubling``: a recursive-doubling allgather of the raw buffers
+  (``log2 p`` rounds, doubling blocks; a non-power-of-two rank folds its
+  buffer into a partner first and gets the result back last), then every
+  rank reduces all ``n`` rows itself. ``n`` times the buffer in scratch: a
+  schedule for small buffers.
+
+Non-finite inputs are found by the ordinary local check and travel as a
+planted NaN (:mod:`._guard`); an ``op="sum"`` that overflows the output dtype
+is planted at the start of the owner's chunk. See docs/algorithms/deterministic.md.
 """
 
 from __future__ import annotations
@@ -37,18 +46,44 @@ from typing import Any
 
 import numpy as np
 
+from .._kernels import fixed_reference
 from ..errors import UsageError
+from ..transport._frame import LENIENT_TAG
 from ..transport.base import Transport
 from . import ALLREDUCE
-from ._common import Workspace, scratch
-from .recursive_doubling import recursive_doubling_allreduce
+from ._common import Coll, Workspace, chunk_bounds, scratch
+from ._guard import guarded_allreduce
 
-__all__ = ["deterministic_allreduce", "fraction_bits"]
+__all__ = ["deterministic_allreduce", "exact_reduce", "fraction_bits"]
+
+fraction_bits = fixed_reference.fraction_bits
+
+#: float64 magnitudes from which a store to the dtype gives an infinity (round half to even at the top).
+_LIMIT = {np.dtype(np.float32): 2.0**128 - 2.0**103, np.dtype(np.float64): math.inf}
+
+_RS, _AG, _UP, _DOWN, _FOLD, _ROUND, _UNFOLD = 1, 2, 3, 4, 5, 6, 7
 
 
-def fraction_bits(n: int) -> int:
-    """Fixed-point fraction bits for ``n`` ranks: the sum of ``n`` values of ``2**F`` must stay <= 2**52."""
-    return 52 - max(0, (n - 1).bit_length())
+def exact_reduce(own: np.ndarray, rows: np.ndarray, out: np.ndarray, divisor: float, backend: str | None = None) -> int:
+    """``out = (own + sum(rows)) / divisor`` by the exact method; the first non-finite output index, or -1.
+
+    ``own`` (m,) and ``rows`` (k, m) are contiguous float32 or float64 arrays
+    of one dtype, ``out`` (m,) of the same dtype may be ``own``. The fused
+    Numba kernel, or with ``backend="numpy"`` (or without Numba) the NumPy
+    reference: the same bits either way.
+    """
+    fused = None if backend == "numpy" else _fused()
+    if fused is None:
+        return fixed_reference.exact_reduce(own, rows, out, divisor)
+    uint, mask, shift, _, top = fixed_reference.BITS[own.dtype]
+    hi, lo, bmin = fixed_reference.params(own.dtype, rows.shape[0] + 1)
+    args = (uint(mask), uint(shift), uint(top), np.int64(hi), np.int64(lo), np.int64(bmin), float(divisor),
+            _LIMIT[own.dtype], 1.0 / divisor if math.frexp(divisor)[0] == 0.5 else 0.0)
+    if rows.shape[0] == 1:
+        flag = fused.reduce_pair(own, rows[0], own.view(uint), rows[0].view(uint), out, *args)
+    else:
+        flag = fused.reduce_rows(own, rows, own.view(uint), rows.view(uint), out, *args)
+    return int(np.flatnonzero(~np.isfinite(out))[0]) if flag else -1
 
 
 def deterministic_allreduce(transport: Transport, buf: np.ndarray, *, algorithm: str = "ring", op: str = "mean",
@@ -57,7 +92,8 @@ def deterministic_allreduce(transport: Transport, buf: np.ndarray, *, algorithm:
                             **extra: int) -> np.ndarray:
     """Allreduce ``buf`` (float32/float64) in place with bit-identical results under any schedule; returns ``buf``.
 
-    Uses two sequence numbers: ``seq`` for the scale round, ``seq + 1`` for the data.
+    ``extra`` (the ring's ``segment_bytes``) is accepted and ignored: whole
+    chunks travel.
     """
     if not isinstance(buf, np.ndarray) or not buf.flags.c_contiguous or not buf.flags.writeable:
         raise UsageError("buf must be a writeable C-contiguous numpy array")
@@ -67,39 +103,131 @@ def deterministic_allreduce(transport: Transport, buf: np.ndarray, *, algorithm:
         raise UsageError(f"deterministic allreduce takes op 'mean' or 'sum', got {op!r}")
     if algorithm not in ALLREDUCE:
         raise UsageError(f"unknown allreduce algorithm {algorithm!r}; known: {', '.join(ALLREDUCE)}")
-    flat = buf.reshape(-1)
-    n = transport.size
-    fixed = _fixed_kernels()
-    peak = np.zeros(1, np.float64)
-    if flat.size:  # NaN propagates, Inf stays: the check of the scale round sees them
-        peak[0] = fixed.peak(flat) if fixed else max(float(flat.max()), -float(flat.min()))
-    recursive_doubling_allreduce(transport, peak, op="max", check_finite=check_finite, seq=seq, timeout=timeout,
-                                 workspace=workspace, backend=backend)
-    if not math.isfinite(peak[0]):  # only reachable with check_finite=False
-        flat.fill(np.nan)
-        return buf
-    e = math.frexp(float(peak[0]))[1]  # peak < 2**e
-    f = fraction_bits(n)
-    fx = scratch(workspace, "det", flat.size, np.float64)
-    if fixed:
-        fixed.to_fixed(flat, fx, math.ldexp(1.0, f - e))
-    else:
-        np.multiply(flat, math.ldexp(1.0, f - e), out=fx)  # exact: a power of two
-        np.rint(fx, out=fx)
-    ALLREDUCE[algorithm](transport, fx, op="sum", check_finite=False, seq=seq + 1, timeout=timeout,
-                         workspace=workspace, backend=backend, **extra)
-    divisor = float(n) if op == "mean" else 1.0
-    if fixed:
-        fixed.from_fixed(fx, flat, math.ldexp(1.0, e - f), divisor)
-    else:
-        np.multiply(fx, math.ldexp(1.0, e - f), out=fx)
-        np.divide(fx, divisor, out=fx)
-        np.copyto(flat, fx, casting="same_kind")
-    return buf
+    divisor = float(transport.size) if op == "mean" else 1.0
+    schedule = {"ring": _ring, "star": _star, "recursive_doubling": _rd}[algorithm]
+    starts: list[int] = [0]
+
+    def body(coll: Coll, flat: np.ndarray) -> None:
+        if coll.pending is not None:  # lenient tags: keep deterministic and plain calls apart
+            coll.tag0 = LENIENT_TAG | (hash((coll.tag0, 0x44)) & 0x3FFFFF00)
+        if algorithm == "ring":
+            starts[:] = chunk_bounds(flat.size, coll.size)[:-1]
+        schedule(coll, flat, divisor, check_finite, workspace, backend)
+
+    def planted(coll: Coll, flat: np.ndarray) -> tuple[int, float] | None:
+        for a in starts:
+            if a < flat.size and not math.isfinite(flat[a]):
+                return a, float(flat[a])
+        return None
+
+    return guarded_allreduce(transport, buf, name=f"deterministic {algorithm} allreduce", algo=algorithm, op=op,
+                             check_finite=check_finite, seq=seq, timeout=timeout, backend=backend, body=body,
+                             find_bad=planted)
 
 
-def _fixed_kernels() -> Any:
-    """The fused Numba conversions, or None (then NumPy does the same arithmetic in more passes)."""
+def _reduce(own: np.ndarray, rows: np.ndarray, out: np.ndarray, divisor: float, check: bool,
+            backend: str | None) -> None:
+    """Reduce; with ``check``, plant a NaN at ``out[0]`` when some output overflowed (the error path names it)."""
+    if exact_reduce(own, rows, out, divisor, backend) >= 0 and check and out.size:
+        out[0] = np.nan
+
+
+def _ring(coll: Coll, flat: np.ndarray, divisor: float, check: bool, ws: Workspace | None,
+          backend: str | None) -> None:
+    n, q = coll.size, coll.rank
+    bounds = chunk_bounds(flat.size, n)
+    lo, hi = bounds[q], bounds[q + 1]
+    rows = scratch(ws, "det_rows", (n - 1, hi - lo), flat.dtype)
+    rs, ag = coll.tag0 + _RS, coll.tag0 + _AG
+    coll.begin(2 * (n - 1))
+    coll.step = 1
+    recvs = [coll.irecv((q - s) % n, rows[s - 1], rs) for s in range(1, n)]
+    sends = [coll.isend((q + s) % n, flat[bounds[(q + s) % n]: bounds[(q + s) % n + 1]], rs) for s in range(1, n)]
+    for s in range(1, n):
+        coll.step = s
+        coll.wait(recvs[s - 1], (q - s) % n)
+    for s, r in enumerate(sends, 1):
+        coll.wait(r, (q + s) % n)
+    _reduce(flat[lo:hi], rows, flat[lo:hi], divisor, check, backend)
+    right, left = (q + 1) % n, (q - 1) % n
+    for t in range(n - 1):  # ring allgather of the finished chunks: copies only
+        coll.step = n + t
+        c_out, c_in = (q - t) % n, (q - t - 1) % n
+        r_ = coll.irecv(left, flat[bounds[c_in]: bounds[c_in + 1]], ag)
+        s_ = coll.isend(right, flat[bounds[c_out]: bounds[c_out + 1]], ag)
+        coll.wait(r_, left)
+        coll.wait(s_, right)
+
+
+def _star(coll: Coll, flat: np.ndarray, divisor: float, check: bool, ws: Workspace | None,
+          backend: str | None) -> None:
+    n = coll.size
+    up, down = coll.tag0 + _UP, coll.tag0 + _DOWN
+    coll.begin(2)
+    coll.step = 1
+    if coll.rank != 0:
+        r = coll.irecv(0, flat, down)  # rank 0 replies only after it has read ``up`` whole
+        coll.send(0, flat, up)
+        coll.step = 2
+        coll.wait(r, 0)
+        return
+    rows = scratch(ws, "det_rows", (n - 1, flat.size), flat.dtype)
+    reqs = [coll.irecv(p, rows[p - 1], up) for p in range(1, n)]
+    for p in range(1, n):
+        coll.wait(reqs[p - 1], p)
+    _reduce(flat, rows, flat, divisor, check, backend)
+    coll.step = 2
+    for req, p in [(coll.isend(p, flat, down), p) for p in range(1, n)]:
+        coll.wait(req, p)
+
+
+def _rd(coll: Coll, flat: np.ndarray, divisor: float, check: bool, ws: Workspace | None,
+        backend: str | None) -> None:
+    """Recursive-doubling allgather of the raw buffers into ``rows[rank]``, then a local exact reduce.
+
+    Virtual rank ``v`` holds real ranks ``2v, 2v+1`` for ``v < r`` (the fold)
+    and ``v + r`` otherwise, so an aligned block of virtual ranks is a
+    contiguous range of real ranks: every round is one message each way.
+    """
+    n, me = coll.size, coll.rank
+    p = 1 << (n.bit_length() - 1)
+    r = n - p
+    rounds = p.bit_length() - 1
+    fold, rnd, unfold = coll.tag0 + _FOLD, coll.tag0 + _ROUND, coll.tag0 + _UNFOLD
+    coll.begin(rounds + (2 if r else 0))
+    if me < 2 * r and me % 2 == 0:  # sits out: its buffer folds in, the result comes back
+        coll.step = 1
+        coll.send(me + 1, flat, fold)
+        coll.step = coll.steps
+        coll.recv(me + 1, flat, unfold)
+        return
+    rows = scratch(ws, "det_all", (n, flat.size), flat.dtype)
+    rows[me] = flat
+    if me < 2 * r:
+        coll.step = 1
+        coll.recv(me - 1, rows[me - 1], fold)
+        v = me // 2
+    else:
+        v = me - r
+
+    def first(u: int) -> int:  # the first real rank of virtual rank u
+        return u + min(u, r)
+
+    for k in range(rounds):
+        coll.step = k + 1 + (1 if r else 0)
+        pv = v ^ (1 << k)
+        mine, theirs = v & ~((1 << k) - 1), pv & ~((1 << k) - 1)
+        peer = 2 * pv + 1 if pv < r else pv + r
+        out = rows[first(mine): first(mine + (1 << k))].reshape(-1)  # 1-D: a memoryview of (k, 0) cannot be cast
+        coll.sendrecv(peer, out, rows[first(theirs): first(theirs + (1 << k))].reshape(-1), rnd)
+    _reduce(rows[0], rows[1:], flat, divisor, check, backend)
+    if me < 2 * r:
+        coll.step = coll.steps
+        coll.send(me - 1, flat, unfold)
+
+
+def _fused() -> Any:
+    """The Numba kernels, or None (then the NumPy reference computes the same bits in more passes)."""
     try:
         from .._kernels import numba_fixed
     except ImportError:

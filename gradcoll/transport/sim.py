@@ -18,7 +18,8 @@ model. What is real and what is simulated:
   only; other threads get the real kernels) by stubs that do not compute and
   instead advance the calling rank's clock by ``gamma`` times the bytes of
   incoming contribution (``x`` for accumulate, all rows but one for
-  mean_reduce).
+  mean_reduce). mean_reduce also charges ``delta`` for one row: its only
+  caller, the star's root, first copies its own input into row 0.
 * **Virtual size**: the real buffer is small (``n * elems_per_rank``
   float32); every length is multiplied by ``scale = nbytes / real bytes``
   when the clocks advance, so a 1 GiB allreduce costs no memory.
@@ -26,18 +27,30 @@ model. What is real and what is simulated:
 Clock rules (per rank: ``clock``, ``egress_free``, ``ingress_free``; each
 touched only by its own rank's thread, so a run is deterministic):
 
-* ``isend`` of ``b`` virtual bytes: ``start = max(clock, egress_free)``,
+* ``isend`` of ``b`` virtual bytes: the copy in costs the sender's CPU
+  first, ``clock += delta b``; then ``start = max(clock, egress_free)``,
   ``egress_free = start + beta b``; the message arrives at
   ``start + alpha + beta b``; waiting for the send sets
   ``clock = max(clock, start + beta b)``.
 * waiting for a receive, in the receiver's program order:
   ``done = max(arrival, ingress_free + beta b)``, ``ingress_free = done``,
-  ``clock = max(clock, done)`` (a rank's ingress takes one message at a time).
+  ``clock = max(clock, done) + delta b`` (a rank's ingress takes one message
+  at a time; the copy out follows it on the receiver's CPU).
+* CPU per byte (``gamma``, ``delta``) includes the cache term: ``mem`` on the
+  fraction ``max(0, 1 - cache_bytes / S)`` of the buffer that does not fit.
 
 Under these rules the times equal the closed forms of
-:func:`gradcoll.costmodel.predict` (the ring run with one segment per chunk,
-the default here). A few dozen threads are cheap; for 128-1,024 ranks use the
-closed form, which tests/test_costmodel.py checks against this simulation.
+:func:`gradcoll.costmodel.predict` with ``node=None`` (the ring run with one
+segment per chunk, the default here), when ``beta`` or ``delta`` is zero:
+with both, the closed form adds the star root's link time and copy time,
+while here its copy out of one message overlaps the next one's arrival.
+What the simulation leaves out: ranks sharing a node's cores (``Node``:
+``switch_s`` and the node's CPU shared by its cores). Every simulated rank
+has a core of its own, because time-sharing is the host scheduler's doing,
+not the algorithm's: the message schedule, which is what the simulation
+checks, is the same. A few dozen threads are cheap; for 128-1,024 ranks use
+the closed form, which tests/test_costmodel.py checks against this
+simulation.
 """
 
 from __future__ import annotations
@@ -80,12 +93,15 @@ class _Pair:
 class SimWorld:
     """Shared state of ``size`` simulated ranks: FIFOs of message headers per ordered pair."""
 
-    def __init__(self, size: int, model: AlphaBeta, scale: float = 1.0) -> None:
+    def __init__(self, size: int, model: AlphaBeta, scale: float = 1.0, out_of_cache: float = 0.0) -> None:
         if size < 1:
             raise UsageError(f"world size must be >= 1, got {size}")
         self.size = size
         self.model = model
         self.scale = scale
+        #: CPU seconds per reduced and per copied byte, the cache term included.
+        self.gamma = model.gamma_s_per_byte + model.mem_s_per_byte * out_of_cache
+        self.delta = model.delta_s_per_byte + model.mem_s_per_byte * out_of_cache
         self.pairs: dict[tuple[int, int], _Pair] = {}
         self._lock = threading.Lock()
 
@@ -139,7 +155,7 @@ class _RecvReq(Request):
         beta = t.world.model.beta_s_per_byte
         done = max(msg.arrival, t.ingress_free + beta * msg.vbytes)
         t.ingress_free = done
-        t.clock = max(t.clock, done)
+        t.clock = max(t.clock, done) + t.world.delta * msg.vbytes
         self._result = msg.length
         return msg.length
 
@@ -167,6 +183,7 @@ class SimTransport(Transport):
         length = len(as_bytes_view(buf))
         vbytes = length * self.world.scale
         m = self.world.model
+        self.clock += self.world.delta * vbytes  # the copy in
         start = max(self.clock, self.egress_free)
         self.egress_free = start + m.beta_s_per_byte * vbytes
         pair = self.world.pair(self.rank, peer)
@@ -183,9 +200,9 @@ class SimTransport(Transport):
         length = len(as_writable_view(out))
         return _RecvReq(self, peer, self.world.pair(peer, self.rank), length, tag)
 
-    def charge_reduce(self, nbytes: float) -> None:
-        """Advance this rank's clock by the reduction of ``nbytes`` real bytes (scaled)."""
-        self.clock += self.world.model.gamma_s_per_byte * nbytes * self.world.scale
+    def charge_reduce(self, nbytes: float, copied: float = 0.0) -> None:
+        """Advance this rank's clock by the reduction of ``nbytes`` and the copy of ``copied`` real bytes (scaled)."""
+        self.clock += (self.world.gamma * nbytes + self.world.delta * copied) * self.world.scale
 
     def close(self) -> None:
         """Nothing to release."""
@@ -213,7 +230,8 @@ def _stub_kernels() -> Iterator[None]:
         if t is None:
             return real_mean(rows, *args, **kw)
         arr = np.asarray(rows)
-        t.charge_reduce(arr.nbytes - (arr[0].nbytes if len(arr) else 0))
+        row = arr[0].nbytes if len(arr) else 0
+        t.charge_reduce(arr.nbytes - row, copied=row)  # the star root's copy of its own input into row 0
         return kw.get("out")
 
     with _PATCH_LOCK:
@@ -241,7 +259,7 @@ def simulate(algorithm: str, n: int, nbytes: int, model: AlphaBeta, *, elems_per
         raise UsageError(f"unknown algorithm {algorithm!r}")
     count = n * elems_per_rank
     scale = nbytes / (count * 4)
-    world = SimWorld(n, model, scale)
+    world = SimWorld(n, model, scale, max(0.0, 1.0 - model.cache_bytes / nbytes) if nbytes > 0 else 0.0)
     ts = [SimTransport(world, r, timeout) for r in range(n)]
     kw: dict[str, Any] = {"op": "sum", "check_finite": False}
     if algorithm == "ring":
