@@ -63,7 +63,14 @@ def worker_main(argv: Sequence[str] | None = None) -> int:
     ap.add_argument("--algorithm", default="auto")
     ap.add_argument("--iters", type=int, default=20)
     ap.add_argument("--warmup", type=int, default=3)
+    ap.add_argument("--deterministic", action="store_true")
+    ap.add_argument("--wire-dtype", default=None)
     a = ap.parse_args(argv)
+    kw: dict[str, Any] = {"algorithm": a.algorithm}
+    if a.deterministic:
+        kw["deterministic"] = True
+    if a.wire_dtype:
+        kw["wire_dtype"] = a.wire_dtype
     group = gradcoll.init_process_group(os.environ.get("GRADCOLL_BACKEND", "tcp"), "env://", timeout=120.0)
     rank, world = group.rank, group.size
     transport = getattr(getattr(group, "transport", None), "name", "?")
@@ -71,15 +78,15 @@ def worker_main(argv: Sequence[str] | None = None) -> int:
         count = nbytes // 4
         base = (np.arange(count) % 13).astype(np.float32)
         buf = base * np.float32(rank + 1)
-        group.allreduce(buf, op="mean", algorithm=a.algorithm)  # also the first warm-up
+        group.allreduce(buf, op="mean", **kw)  # also the first warm-up
         for _ in range(a.warmup - 1):
-            group.allreduce(buf, op="mean", algorithm=a.algorithm)
+            group.allreduce(buf, op="mean", **kw)
         group.barrier()
         laps = np.empty(a.iters)
         t0 = t1 = time.perf_counter()
         for i in range(a.iters):
             # Means of identical small-integer-derived values are exact: buf stays put.
-            group.allreduce(buf, op="mean", algorithm=a.algorithm)
+            group.allreduce(buf, op="mean", **kw)
             t2 = time.perf_counter()
             laps[i], t1 = t2 - t1, t2
         dt = (t1 - t0) / a.iters
@@ -91,6 +98,7 @@ def worker_main(argv: Sequence[str] | None = None) -> int:
                 "count": count,
                 "dtype": "float32",
                 "algorithm": a.algorithm,
+                "mode": "deterministic" if a.deterministic else f"{a.wire_dtype} wire" if a.wire_dtype else "plain",
                 "transport": transport,
                 "ranks": world,
                 "time_avg_us": float(stats[:, 0].mean() * 1e6),
@@ -170,6 +178,8 @@ def build_parser(sub: argparse._SubParsersAction[argparse.ArgumentParser] | None
     p.add_argument("--max-size", default="64M")
     p.add_argument("--iters", type=int, default=20)
     p.add_argument("--warmup", type=int, default=3)
+    p.add_argument("--deterministic", action="store_true", help="time allreduce(deterministic=True)")
+    p.add_argument("--wire-dtype", default=None, choices=["bf16", "fp16"], help="time allreduce(wire_dtype=...)")
     p.add_argument("--json", dest="json_path", default=None, help="write the rows to this JSON file")
     p.add_argument("--plot", dest="plot_path", default=None, help="write busbw vs size to this PNG (matplotlib)")
     return p
@@ -180,11 +190,14 @@ def run_from_args(a: argparse.Namespace) -> int:
     from .launch import launch
 
     sizes = sizes_between(parse_size(a.min_size), parse_size(a.max_size))
-    print(f"# gradcoll bench: {a.nprocs} ranks, backend {a.backend}, algorithm {a.algorithm}, {a.iters} iters")
+    mode = " deterministic" if a.deterministic else f" wire {a.wire_dtype}" if a.wire_dtype else ""
+    print(f"# gradcoll bench: {a.nprocs} ranks, backend {a.backend}, algorithm {a.algorithm}{mode}, {a.iters} iters")
     print(HEADER)
     col = _Collector(len(sizes), sys.stderr.isatty())
     cmd = [sys.executable, "-m", "gradcoll.bench", "--worker", "--sizes", a.min_size, a.max_size,
            "--algorithm", a.algorithm, "--iters", str(a.iters), "--warmup", str(a.warmup)]
+    cmd += ["--deterministic"] if a.deterministic else []
+    cmd += ["--wire-dtype", a.wire_dtype] if a.wire_dtype else []
     res = launch(cmd, a.nprocs, backend=a.backend, prefix=False, out=col, timeout=1800)
     col._clear_bar()
     if a.json_path:

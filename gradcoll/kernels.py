@@ -294,12 +294,19 @@ WIRE_DTYPES = ("bf16", "fp16")
 
 
 def _wire_backend(backend: str | None, device: bool = False) -> Any:
-    """The module implementing the wire kernels: numba (default), the NumPy reference, or CUDA."""
+    """The module implementing the wire kernels: numba (default), cython (serial), the NumPy reference, or CUDA."""
     if device:
         return choose_backend(0, device=True, backend=backend)
     name = backend or env_override()
     if name in ("numpy", "cuda", "cudasim"):
         return reference_wire() if name == "numpy" else load_backend(name).WIRE
+    if name == "cython":  # what a group uses: one thread per rank
+        try:
+            from ._kernels import cython_wire
+
+            return cython_wire
+        except ImportError:
+            pass  # not built: Numba, below
     try:
         load_backend("numba")  # the registry keeps the original error if it fails
     except Exception:  # noqa: BLE001 - no JIT here: the reference is correct, only slower

@@ -189,3 +189,12 @@ def test_plain_against_deterministic_is_a_mismatch_not_a_hang() -> None:
 
     _, err = run(3, body)
     assert all(isinstance(e, CollectiveMismatch) for e in err), err
+
+
+def test_two_ranks_need_no_grid() -> None:
+    """Two contributions: the commutative float64 sum, equal to the reference at any spread."""
+    data = contributions(2, 3000, 120, seed=8)
+    ref = (np.stack(data).astype(np.float64).sum(0) / 2).astype(np.float32)
+    for algo in ALGOS:
+        assert allreduce_all(data, algo)[0].tobytes() == ref.tobytes()
+        assert allreduce_all(data[::-1], algo)[1].tobytes() == ref.tobytes()

@@ -19,7 +19,7 @@ from gradcoll.transport.inproc import create_world
 ALGOS = ("ring", "star", "recursive_doubling")
 U = {"bf16": 2.0**-8, "fp16": 2.0**-11}  # unit roundoff of the wire formats
 U32 = 2.0**-24
-WIRE_BACKENDS = ["numpy", "numba"] + [b for b in K.available_backends() if b == "cudasim"]
+WIRE_BACKENDS = ["numpy", "numba"] + [b for b in K.available_backends() if b in ("cython", "cudasim")]
 
 
 def run(n: int, fn: Callable[[int, Any], Any]) -> tuple[list[Any], list[BaseException | None]]:

@@ -10,7 +10,7 @@ overflow. The caller locates the culprit on the error path only.
 """
 
 cimport numpy as cnp
-from libc.stdint cimport uint32_t, uint64_t
+from libc.stdint cimport uint16_t, uint32_t, uint64_t
 from libc.stdlib cimport malloc, free
 from libc.string cimport memcpy
 
@@ -285,3 +285,92 @@ def accumulate_fast(object acc, object x, object scale, object divisor, bint che
     if divisor is not None and divisor == 0:
         return None
     return accumulate(a, <cnp.ndarray>x, scale, divisor, check)
+
+
+# -- low-precision wire (same bits as wire_reference.py; see numba_wire.py for the rules) --------
+
+cdef inline uint16_t _enc_bf16(uint32_t u) noexcept nogil:
+    if (u & 0x7FFFFFFFu) > 0x7F800000u:
+        return <uint16_t>((u >> 16) | 0x0040u)  # NaN: keep sign and top payload, quiet it
+    return <uint16_t>((u + 0x7FFFu + ((u >> 16) & 1u)) >> 16)
+
+
+cdef inline uint16_t _enc_fp16(uint32_t u) noexcept nogil:
+    cdef uint32_t sign = (u >> 16) & 0x8000u
+    cdef uint32_t a = u & 0x7FFFFFFFu
+    cdef uint32_t shift, mant, r, rem, half, odd
+    if a >= 0x47800000u:  # >= 65536, Inf or NaN
+        if a > 0x7F800000u:
+            return <uint16_t>(sign | 0x7E00u | ((a & 0x007FFFFFu) >> 13))
+        return <uint16_t>(sign | 0x7C00u)
+    if a < 0x38800000u:  # half subnormal (or zero): shift the significand, round half to even
+        if a <= 0x33000000u:
+            return <uint16_t>sign
+        shift = 126u - (a >> 23)
+        mant = (a & 0x007FFFFFu) | 0x00800000u
+        r = mant >> shift
+        rem = mant & ((1u << shift) - 1u)
+        half = 1u << (shift - 1u)
+        if rem > half or (rem == half and (r & 1u) != 0):
+            r += 1u
+        return <uint16_t>(sign | r)
+    odd = (a >> 13) & 1u
+    a = a - 0x38000000u + 0xFFFu + odd  # rebias 127 -> 15, round half to even
+    return <uint16_t>(sign | (a >> 13))  # a carry into the exponent gives Inf at 65520
+
+
+def wire_encode(cnp.ndarray src, cnp.ndarray dst, bint fp16):
+    """float32 ``src`` -> uint16 ``dst``; True when every encoded value is finite."""
+    cdef Py_ssize_t m = cnp.PyArray_SIZE(src), i
+    cdef uint32_t* u = <uint32_t*>cnp.PyArray_DATA(src)
+    cdef uint16_t* w = <uint16_t*>cnp.PyArray_DATA(dst)
+    cdef uint32_t flag = 0
+    cdef uint16_t v
+    with nogil:
+        if fp16:
+            for i in range(m):
+                v = _enc_fp16(u[i])
+                w[i] = v
+                flag |= (<uint32_t>v & 0x7C00u) + 0x0400u
+        else:
+            for i in range(m):
+                v = _enc_bf16(u[i])
+                w[i] = v
+                flag |= (<uint32_t>v & 0x7F80u) + 0x0080u
+    return (flag & 0x8000u) == 0
+
+
+def wire_accumulate(cnp.ndarray acc, cnp.ndarray src, cnp.ndarray table, bint fp16, double divisor, bint dodiv,
+                    bint decode_only):
+    """``acc += decode(src)`` (``acc = decode(src)`` with ``decode_only``), then ``/= divisor``; True when finite."""
+    cdef Py_ssize_t m = cnp.PyArray_SIZE(acc), lo = 0, hi, i, k
+    cdef float* a = <float*>cnp.PyArray_DATA(acc)
+    cdef uint16_t* w = <uint16_t*>cnp.PyArray_DATA(src)
+    cdef float* t = <float*>cnp.PyArray_DATA(table)
+    cdef float d = <float>divisor
+    cdef float x
+    cdef uint32_t b
+    cdef bint ok = True
+    with nogil:
+        while lo < m:
+            hi = lo + BLOCK
+            if hi > m:
+                hi = m
+            k = hi - lo
+            for i in range(lo, hi):
+                if fp16:
+                    x = t[w[i]]
+                else:
+                    b = (<uint32_t>w[i]) << 16
+                    memcpy(&x, &b, 4)
+                if decode_only:
+                    a[i] = x
+                else:
+                    a[i] = a[i] + x
+            if dodiv:
+                for i in range(lo, hi):
+                    a[i] = a[i] / d
+            if not _block_finite[float](a + lo, k):
+                ok = False
+            lo = hi
+    return ok

@@ -14,6 +14,11 @@ For one element, ``n`` contributions ``x_1 .. x_n`` (float32 or float64):
 3. The sum times ``2**(E-F)`` (exact) is divided by the divisor (``n`` for a
    mean, one float64 rounding) and stored in the output dtype (one more).
 
+With exactly two contributions the grid is skipped: ``float64(x_1) +
+float64(x_2)`` is commutative, so already order-independent, and for float32
+inputs it is exact up to 29 binades apart and correctly rounded beyond (then
+divided and stored as above).
+
 ``E`` is a maximum and the integer sum is exact, so the result depends only on
 the multiset of contributions: the same bits whatever the order, grouping,
 chunking or algorithm. All-zero elements and elements with a NaN or an
@@ -73,6 +78,11 @@ def exact_reduce(own: np.ndarray, rows: np.ndarray, out: np.ndarray, divisor: fl
     of contributions, which sets ``F``, is ``k + 1``.
     """
     dt = own.dtype
+    if rows.shape[0] == 1:  # two contributions: the commutative float64 sum
+        with np.errstate(invalid="ignore", over="ignore"):
+            out[...] = (own.astype(np.float64) + rows[0].astype(np.float64)) / divisor
+        bad = np.flatnonzero(~np.isfinite(out))
+        return int(bad[0]) if bad.size else -1
     uint, mask, shift, _, top = BITS[dt]
     n = rows.shape[0] + 1
     f = fraction_bits(n)

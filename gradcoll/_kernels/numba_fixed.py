@@ -6,9 +6,9 @@ contributions' bits; the scale ``2**(F-E)`` built from that exponent's bits
 and summed exactly in float64; scaled back, divided and stored. Rounding to
 an integer uses ``(y + 1.5 * 2**52) - 1.5 * 2**52``, which is ``rint`` (round
 half to even) for ``|y| < 2**51`` and vectorises, where a call to ``rint``
-does not. Two-contribution calls (a 2-rank ring, and the commonest) take a
-single loop; more contributions go through 2,048-element blocks so that each
-inner loop is a straight vectorisable line.
+does not. Work goes in 2,048-element blocks so that each inner loop is a
+straight vectorisable line. Two contributions (every call of a 2-rank
+group) need no grid at all: their float64 sum is commutative.
 
 Serial on purpose: each rank of a group runs it on its own chunk, and
 threads would only compete with the other ranks for the cores. No fastmath:
@@ -61,24 +61,21 @@ def _store(res, o, w, divisor, recip, limit):
 
 
 @njit(cache=True, fastmath=False, nogil=True)
-def reduce_pair(own, row, own_bits, row_bits, out, mask, shift, top, hi, lo, bmin, divisor, limit, recip):
-    """Two contributions, ``own`` and ``row``; returns True if some output is not finite."""
+def reduce_pair(own, row, out, divisor, limit, recip):
+    """Two contributions: ``(own + row) / divisor`` in float64; True if some output is not finite.
+
+    IEEE addition is commutative, so two contributions need no grid: the
+    float64 sum is the same whichever rank holds which (see
+    :func:`gradcoll._kernels.fixed_reference.exact_reduce`).
+    """
     m = own.shape[0]
     res = np.empty(_BLOCK, np.float64)  # results go through a private block: ``out`` may be ``own``
     bad = 0
     for i0 in range(0, m, _BLOCK):
         w = min(_BLOCK, m - i0)
-        a, ab, b_, bb = own[i0:i0 + w], own_bits[i0:i0 + w], row[i0:i0 + w], row_bits[i0:i0 + w]
+        a, b_ = own[i0:i0 + w], row[i0:i0 + w]
         for j in range(w):
-            mb = max(ab[j] & mask, bb[j] & mask)
-            b = mb >> shift
-            be = max(np.int64(b), bmin)
-            sc = _as_float64((hi - be) << 52)
-            x = np.float64(a[j])
-            y = np.float64(b_[j])
-            s = ((x * sc + _MAGIC) - _MAGIC) + ((y * sc + _MAGIC) - _MAGIC)
-            v = (x + y) if (b == top) | (mb == 0) else s * _as_float64((be + lo) << 52)
-            res[j] = v
+            res[j] = np.float64(a[j]) + np.float64(b_[j])
         bad += _store(res, out[i0:i0 + w], w, divisor, recip, limit)
     return bad > 0
 

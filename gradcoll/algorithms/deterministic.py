@@ -24,9 +24,12 @@ This one does not, and it moves the same bytes as the ordinary one:
 Schedules (``algorithm``), each with the bytes of its ordinary counterpart:
 
 * ``ring``: a direct reduce-scatter (rank ``q`` sends its raw chunk ``c`` to
-  rank ``c``; ``n - 1`` chunks of ``S/n`` out, ``n - 1`` in), the owner
-  reduces its chunk with all ``n`` contributions, then the ring allgather of
-  the finished chunks.
+  rank ``c``; ``n - 1`` chunks of ``S/n`` out, ``n - 1`` in, in
+  ``segment_bytes`` pieces), the owner reduces each piece of its chunk with
+  all ``n`` contributions as soon as they are in and sends the finished
+  piece straight to every other rank (a direct allgather, overlapping the
+  reductions still to come). ``n - 1`` pieces of ``S/n`` out and in per
+  phase: the ring's bytes, in two steps of latency instead of ``2(n-1)``.
 * ``star``: rank 0 receives every raw buffer, reduces, sends the result.
 * ``recursive_doubling``: a recursive-doubling allgather of the raw buffers
   (``log2 p`` rounds, doubling blocks; a non-power-of-two rank folds its
@@ -51,8 +54,9 @@ from ..errors import UsageError
 from ..transport._frame import LENIENT_TAG
 from ..transport.base import Transport
 from . import ALLREDUCE
-from ._common import Coll, Workspace, chunk_bounds, scratch
+from ._common import Coll, Workspace, chunk_bounds, scratch, segment_bounds
 from ._guard import guarded_allreduce
+from .ring import SEGMENT_BYTES
 
 __all__ = ["deterministic_allreduce", "exact_reduce", "fraction_bits"]
 
@@ -75,25 +79,25 @@ def exact_reduce(own: np.ndarray, rows: np.ndarray, out: np.ndarray, divisor: fl
     fused = None if backend == "numpy" else _fused()
     if fused is None:
         return fixed_reference.exact_reduce(own, rows, out, divisor)
-    uint, mask, shift, _, top = fixed_reference.BITS[own.dtype]
-    hi, lo, bmin = fixed_reference.params(own.dtype, rows.shape[0] + 1)
-    args = (uint(mask), uint(shift), uint(top), np.int64(hi), np.int64(lo), np.int64(bmin), float(divisor),
-            _LIMIT[own.dtype], 1.0 / divisor if math.frexp(divisor)[0] == 0.5 else 0.0)
+    tail = (float(divisor), _LIMIT[own.dtype], 1.0 / divisor if math.frexp(divisor)[0] == 0.5 else 0.0)
     if rows.shape[0] == 1:
-        flag = fused.reduce_pair(own, rows[0], own.view(uint), rows[0].view(uint), out, *args)
+        flag = fused.reduce_pair(own, rows[0], out, *tail)
     else:
-        flag = fused.reduce_rows(own, rows, own.view(uint), rows.view(uint), out, *args)
+        uint, mask, shift, _, top = fixed_reference.BITS[own.dtype]
+        hi, lo, bmin = fixed_reference.params(own.dtype, rows.shape[0] + 1)
+        flag = fused.reduce_rows(own, rows, own.view(uint), rows.view(uint), out, uint(mask), uint(shift), uint(top),
+                                 np.int64(hi), np.int64(lo), np.int64(bmin), *tail)
     return int(np.flatnonzero(~np.isfinite(out))[0]) if flag else -1
 
 
 def deterministic_allreduce(transport: Transport, buf: np.ndarray, *, algorithm: str = "ring", op: str = "mean",
                             check_finite: bool = True, seq: int = 0, timeout: float | None = None,
                             workspace: Workspace | None = None, backend: str | None = None,
-                            **extra: int) -> np.ndarray:
+                            segment_bytes: int = SEGMENT_BYTES) -> np.ndarray:
     """Allreduce ``buf`` (float32/float64) in place with bit-identical results under any schedule; returns ``buf``.
 
-    ``extra`` (the ring's ``segment_bytes``) is accepted and ignored: whole
-    chunks travel.
+    ``segment_bytes``: the ring's reduce-scatter travels and is reduced in
+    pieces of this size (the star and recursive doubling ignore it).
     """
     if not isinstance(buf, np.ndarray) or not buf.flags.c_contiguous or not buf.flags.writeable:
         raise UsageError("buf must be a writeable C-contiguous numpy array")
@@ -112,7 +116,7 @@ def deterministic_allreduce(transport: Transport, buf: np.ndarray, *, algorithm:
             coll.tag0 = LENIENT_TAG | (hash((coll.tag0, 0x44)) & 0x3FFFFF00)
         if algorithm == "ring":
             starts[:] = chunk_bounds(flat.size, coll.size)[:-1]
-        schedule(coll, flat, divisor, check_finite, workspace, backend)
+        schedule(coll, flat, divisor, check_finite, workspace, backend, segment_bytes)
 
     def planted(coll: Coll, flat: np.ndarray) -> tuple[int, float] | None:
         for a in starts:
@@ -133,34 +137,43 @@ def _reduce(own: np.ndarray, rows: np.ndarray, out: np.ndarray, divisor: float, 
 
 
 def _ring(coll: Coll, flat: np.ndarray, divisor: float, check: bool, ws: Workspace | None,
-          backend: str | None) -> None:
+          backend: str | None, segment_bytes: int) -> None:
     n, q = coll.size, coll.rank
     bounds = chunk_bounds(flat.size, n)
     lo, hi = bounds[q], bounds[q + 1]
-    rows = scratch(ws, "det_rows", (n - 1, hi - lo), flat.dtype)
+    seg = max(1, segment_bytes // flat.itemsize)
+    # Segment g of this rank's chunk, from all n-1 peers, lands contiguously as (n-1, length) at (n-1) * its offset,
+    # so it is reduced the moment its n-1 pieces are in while later segments are still on the wire.
+    rows = scratch(ws, "det_rows", (n - 1) * (hi - lo), flat.dtype)
+    mine = segment_bounds(lo, hi, seg)
     rs, ag = coll.tag0 + _RS, coll.tag0 + _AG
-    coll.begin(2 * (n - 1))
+    coll.begin(n)
     coll.step = 1
-    recvs = [coll.irecv((q - s) % n, rows[s - 1], rs) for s in range(1, n)]
-    sends = [coll.isend((q + s) % n, flat[bounds[(q + s) % n]: bounds[(q + s) % n + 1]], rs) for s in range(1, n)]
+    blocks = [rows[(n - 1) * (a - lo): (n - 1) * (b - lo)].reshape(n - 1, b - a) for a, b in mine]
+    recvs = [[coll.irecv((q - s) % n, blk[s - 1], rs) for s in range(1, n)] for blk in blocks]
+    sends = []
     for s in range(1, n):
-        coll.step = s
-        coll.wait(recvs[s - 1], (q - s) % n)
-    for s, r in enumerate(sends, 1):
-        coll.wait(r, (q + s) % n)
-    _reduce(flat[lo:hi], rows, flat[lo:hi], divisor, check, backend)
-    right, left = (q + 1) % n, (q - 1) % n
-    for t in range(n - 1):  # ring allgather of the finished chunks: copies only
-        coll.step = n + t
-        c_out, c_in = (q - t) % n, (q - t - 1) % n
-        r_ = coll.irecv(left, flat[bounds[c_in]: bounds[c_in + 1]], ag)
-        s_ = coll.isend(right, flat[bounds[c_out]: bounds[c_out + 1]], ag)
-        coll.wait(r_, left)
-        coll.wait(s_, right)
+        c = (q + s) % n
+        sends += [(coll.isend(c, flat[a:b], rs), c) for a, b in segment_bounds(bounds[c], bounds[c + 1], seg)]
+    shared = []
+    for (a, b), blk, reqs in zip(mine, blocks, recvs, strict=True):
+        for s in range(1, n):
+            coll.step = s
+            coll.wait(reqs[s - 1], (q - s) % n)
+        _reduce(flat[a:b], blk, flat[a:b], divisor, check, backend)
+        shared += [(coll.isend((q + s) % n, flat[a:b], ag), (q + s) % n) for s in range(1, n)]  # straight to everyone
+    for req, c in sends:  # before anything lands in the regions those sends read
+        coll.wait(req, c)
+    gets = [(coll.irecv(c, flat[a:b], ag), c) for c in range(n) if c != q for a, b in segment_bounds(bounds[c], bounds[c + 1], seg)]
+    coll.step = n
+    for req, c in gets:
+        coll.wait(req, c)
+    for req, c in shared:
+        coll.wait(req, c)
 
 
 def _star(coll: Coll, flat: np.ndarray, divisor: float, check: bool, ws: Workspace | None,
-          backend: str | None) -> None:
+          backend: str | None, segment_bytes: int) -> None:
     n = coll.size
     up, down = coll.tag0 + _UP, coll.tag0 + _DOWN
     coll.begin(2)
@@ -182,7 +195,7 @@ def _star(coll: Coll, flat: np.ndarray, divisor: float, check: bool, ws: Workspa
 
 
 def _rd(coll: Coll, flat: np.ndarray, divisor: float, check: bool, ws: Workspace | None,
-        backend: str | None) -> None:
+        backend: str | None, segment_bytes: int) -> None:
     """Recursive-doubling allgather of the raw buffers into ``rows[rank]``, then a local exact reduce.
 
     Virtual rank ``v`` holds real ranks ``2v, 2v+1`` for ``v < r`` (the fold)
