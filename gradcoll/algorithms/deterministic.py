@@ -32,10 +32,10 @@ Schedules (``algorithm``), each with the bytes of its ordinary counterpart:
   phase: the ring's bytes, in two steps of latency instead of ``2(n-1)``.
 * ``star``: rank 0 receives every raw buffer, reduces, sends the result.
 * ``recursive_doubling``: a recursive-doubling allgather of the raw buffers
-  (``log2 p`` rounds, doubling blocks; a non-power-of-two rank folds its
-  buffer into a partner first and gets the result back last), then every
-  rank reduces all ``n`` rows itself. ``n`` times the buffer in scratch: a
-  schedule for small buffers.
+  (:mod:`._rdgather`: ``log2 p`` rounds, doubling blocks; a
+  non-power-of-two rank folds its buffer into a partner first and gets the
+  result back last), then every rank reduces all ``n`` rows itself. ``n``
+  times the buffer in scratch: a schedule for small buffers.
 
 Non-finite inputs are found by the ordinary local check and travel as a
 planted NaN (:mod:`._guard`); an ``op="sum"`` that overflows the output dtype
@@ -56,6 +56,7 @@ from ..transport.base import Transport
 from . import ALLREDUCE
 from ._common import Coll, Workspace, chunk_bounds, scratch, segment_bounds
 from ._guard import guarded_allreduce
+from ._rdgather import rd_allgather, rd_result, rd_steps, sits_out
 from .ring import SEGMENT_BYTES
 
 __all__ = ["deterministic_allreduce", "exact_reduce", "fraction_bits"]
@@ -196,47 +197,14 @@ def _star(coll: Coll, flat: np.ndarray, divisor: float, check: bool, ws: Workspa
 
 def _rd(coll: Coll, flat: np.ndarray, divisor: float, check: bool, ws: Workspace | None,
         backend: str | None, segment_bytes: int) -> None:
-    """Recursive-doubling allgather of the raw buffers into ``rows[rank]``, then a local exact reduce.
-
-    Virtual rank ``v`` holds real ranks ``2v, 2v+1`` for ``v < r`` (the fold)
-    and ``v + r`` otherwise, so an aligned block of virtual ranks is a
-    contiguous range of real ranks: every round is one message each way.
-    """
-    n, me = coll.size, coll.rank
-    p = 1 << (n.bit_length() - 1)
-    r = n - p
-    rounds = p.bit_length() - 1
-    fold, rnd, unfold = coll.tag0 + _FOLD, coll.tag0 + _ROUND, coll.tag0 + _UNFOLD
-    coll.begin(rounds + (2 if r else 0))
-    if me < 2 * r and me % 2 == 0:  # sits out: its buffer folds in, the result comes back
-        coll.step = 1
-        coll.send(me + 1, flat, fold)
-        coll.step = coll.steps
-        coll.recv(me + 1, flat, unfold)
-        return
-    rows = scratch(ws, "det_all", (n, flat.size), flat.dtype)
-    rows[me] = flat
-    if me < 2 * r:
-        coll.step = 1
-        coll.recv(me - 1, rows[me - 1], fold)
-        v = me // 2
-    else:
-        v = me - r
-
-    def first(u: int) -> int:  # the first real rank of virtual rank u
-        return u + min(u, r)
-
-    for k in range(rounds):
-        coll.step = k + 1 + (1 if r else 0)
-        pv = v ^ (1 << k)
-        mine, theirs = v & ~((1 << k) - 1), pv & ~((1 << k) - 1)
-        peer = 2 * pv + 1 if pv < r else pv + r
-        out = rows[first(mine): first(mine + (1 << k))].reshape(-1)  # 1-D: a memoryview of (k, 0) cannot be cast
-        coll.sendrecv(peer, out, rows[first(theirs): first(theirs + (1 << k))].reshape(-1), rnd)
-    _reduce(rows[0], rows[1:], flat, divisor, check, backend)
-    if me < 2 * r:
-        coll.step = coll.steps
-        coll.send(me - 1, flat, unfold)
+    """Recursive-doubling allgather of the raw buffers (:mod:`._rdgather`), then a local exact reduce."""
+    n = coll.size
+    coll.begin(rd_steps(n))
+    rows = None if sits_out(n, coll.rank) else scratch(ws, "det_all", (n, flat.size), flat.dtype)
+    if rd_allgather(coll, flat, rows, coll.tag0 + _FOLD, coll.tag0 + _ROUND):
+        assert rows is not None
+        _reduce(rows[0], rows[1:], flat, divisor, check, backend)
+    rd_result(coll, flat, coll.tag0 + _UNFOLD)
 
 
 def _fused() -> Any:

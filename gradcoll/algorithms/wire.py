@@ -16,9 +16,10 @@ is bitwise identical everywhere. Schedules (``algorithm``):
   error independent of the world size (docs/algorithms/wire.md).
 * ``star``: rank 0 adds the encoded rows in rank order and sends the
   encoded result back.
-* ``recursive_doubling``: both partners round their partials before the add,
-  so they compute ``round(A) + round(B)`` and ``round(B) + round(A)``: the
-  same bits. The error may grow with log2(n) (documented bound).
+* ``recursive_doubling``: a recursive-doubling allgather of the encoded
+  buffers (:mod:`._rdgather`, ``log2 p`` rounds), then every rank adds all
+  ``n`` rows in rank order: every contribution rounded once, as in the ring
+  and the star, so the error bound is theirs, and the same bits everywhere.
 
 Inputs: float32 with ``wire``, float16 (wire ``fp16``), or uint16 bit
 patterns (or ml_dtypes bfloat16) holding ``wire`` values: those are already
@@ -36,6 +37,7 @@ from ..transport.base import Transport
 from ._common import Coll, Workspace, chunk_bounds, scratch
 from ._guard import ERRORS, begin, fail
 from ._handshake import NONFINITE
+from ._rdgather import rd_allgather, rd_result, rd_steps, sits_out
 
 __all__ = ["wire_allreduce", "wire_of"]
 
@@ -207,39 +209,14 @@ def _star(coll: Coll, own: np.ndarray, enc: np.ndarray, fmt: str, divide: int | 
 
 def _rd(coll: Coll, own: np.ndarray, enc: np.ndarray, fmt: str, divide: int | None, check: bool,
         ws: Workspace | None, backend: str | None) -> None:
-    n, me = coll.size, coll.rank
-    p = 1 << (n.bit_length() - 1)
-    r = n - p
-    rounds = p.bit_length() - 1
-    tmp = scratch(ws, "wire_tmp", own.size, np.uint16)
-    fold, rnd, unfold = coll.tag0 + _FOLD, coll.tag0 + _ROUND, coll.tag0 + _UNFOLD
-    coll.begin(rounds + (2 if r else 0))
-    if me < 2 * r and me % 2 == 0:  # sits out: its encoded buffer folds in, the encoded result comes back
-        coll.step = 1
-        coll.send(me + 1, enc, fold)
-        coll.step = coll.steps
-        coll.recv(me + 1, enc, unfold)
-        return
-    if me < 2 * r:
-        coll.step = 1
-        coll.recv(me - 1, tmp, fold)
-        if own.size:
-            _accumulate(own, tmp, fmt, None, check, backend)
-        v = me // 2
-    else:
-        v = me - r
-    for k in range(rounds):
-        coll.step = k + 1 + (1 if r else 0)
-        pv = v ^ (1 << k)
-        peer = 2 * pv + 1 if pv < r else pv + r
-        if (k or me < 2 * r) and own.size:  # round 0 of an unfolded rank sends its input's encoding, already in ``enc``
-            _finish(own, enc, None, fmt, None, check, backend)
-        coll.sendrecv(peer, enc, tmp, rnd)
-        if own.size:  # round(A) + round(B) on both sides: commutative, so the same bits
-            kernels.decode_wire(enc, own, fmt, backend=backend)
-            _accumulate(own, tmp, fmt, divide if k == rounds - 1 else None, check, backend)
-    if own.size:
-        _finish(own, enc, None, fmt, None, check, backend)
-    if me < 2 * r:
-        coll.step = coll.steps
-        coll.send(me - 1, enc, unfold)
+    """Recursive-doubling allgather of the encoded buffers, then every rank adds all rows in rank order."""
+    n = coll.size
+    coll.begin(rd_steps(n))
+    rows = None if sits_out(n, coll.rank) else scratch(ws, "wire_all", (n, enc.size), np.uint16)
+    if rd_allgather(coll, enc, rows, coll.tag0 + _FOLD, coll.tag0 + _ROUND) and own.size:
+        assert rows is not None
+        kernels.decode_wire(rows[0], own, fmt, backend=backend)  # its own input too: every rank adds the same rows
+        for k in range(1, n - 1):
+            _accumulate(own, rows[k], fmt, None, check, backend)
+        _finish(own, enc, rows[n - 1], fmt, divide, check, backend)
+    rd_result(coll, enc, coll.tag0 + _UNFOLD)
