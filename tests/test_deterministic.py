@@ -6,6 +6,7 @@ from typing import Any
 
 import numpy as np
 import pytest
+from _mp_helpers import spawn_ranks
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
@@ -198,3 +199,27 @@ def test_two_ranks_need_no_grid() -> None:
     for algo in ALGOS:
         assert allreduce_all(data, algo)[0].tobytes() == ref.tobytes()
         assert allreduce_all(data[::-1], algo)[1].tobytes() == ref.tobytes()
+
+
+def _det_rank(store: Any, rank: int, size: int, kind: str, perm: list[int]) -> list[bytes]:
+    from gradcoll.transport import shm, tcp
+
+    t = (tcp if kind == "tcp" else shm).create(store, rank, size, timeout=20)
+    try:
+        data = contributions(size, 5001, 40, seed=21)
+        out = []
+        for i, algo in enumerate(ALGOS):
+            buf = data[perm[rank]].copy()
+            deterministic_allreduce(t, buf, algorithm=algo, seq=i, timeout=20, segment_bytes=4096)
+            out.append(buf.tobytes())
+        return out
+    finally:
+        t.close()
+
+
+@pytest.mark.parametrize("kind", ["tcp", "shm"])
+def test_same_bits_across_transports_and_processes(kind: str) -> None:
+    """Processes over tcp/shm, contributions permuted, give the bits of threads over inproc."""
+    want = allreduce_all(contributions(3, 5001, 40, seed=21), "ring")[0].tobytes()
+    for rank_results in spawn_ranks(_det_rank, 3, kind, [2, 0, 1], timeout=90):
+        assert rank_results == [want] * len(ALGOS)
