@@ -107,6 +107,7 @@ def train_single(steps: int, lr: float, global_batch: int, x: np.ndarray, y: np.
 def worker_main(argv: Sequence[str] | None = None) -> int:
     """One rank of the demo (run by the launcher)."""
     import gradcoll
+    from gradcoll.algorithms import select_allreduce
 
     ap = argparse.ArgumentParser()
     ap.add_argument("--steps", type=int, default=300)
@@ -149,7 +150,10 @@ def worker_main(argv: Sequence[str] | None = None) -> int:
         diff = float(np.max(np.abs(ref.params - model.params)))
         scale = float(np.max(np.abs(ref.params)))
         payload = (grad.nbytes + losses.nbytes) * a.steps
-        ring_bytes = payload * 2 * (world - 1) / world if world > 1 else 0
+        tname = getattr(getattr(group, "transport", None), "name", None)
+        algo = select_allreduce(grad.nbytes, world, tname)  # what "auto" ran for the gradient
+        sent = {"ring": 2 * (world - 1) / world, "star": world - 1,  # the star: rank 0 sends to every peer
+                "recursive_doubling": (world.bit_length() - 1) + (world & (world - 1) != 0)}[algo] if world > 1 else 0
         print("summary:")
         print(f"  ranks                 {world} over {getattr(getattr(group, 'transport', None), 'name', '?')}")
         print(f"  steps                 {a.steps} x global batch {a.global_batch}")
@@ -157,7 +161,7 @@ def worker_main(argv: Sequence[str] | None = None) -> int:
         print(f"  max |w - w_single|    {diff:.3e} (weights up to {scale:.2f}; float32 eps {np.finfo(np.float32).eps:.1e})")
         print(f"  max spread over ranks {spread:.3e}")
         print(f"  time in allreduce     {t_comm:.3f} s of {wall:.3f} s ({100 * t_comm / wall:.1f}%)")
-        print(f"  allreduce payload     {payload / 1e6:.2f} MB; sent per rank (ring) ~{ring_bytes / 1e6:.2f} MB")
+        print(f"  allreduce payload     {payload / 1e6:.2f} MB; gradients by {algo} (auto), rank 0 sent ~{payload * sent / 1e6:.2f} MB")
         ok = diff <= 1e-4 * max(1.0, scale) and spread == 0.0
         print(f"  result                {'OK: matches the single-process run to float rounding' if ok else 'MISMATCH'}")
         group.close()
