@@ -4,6 +4,7 @@ Usage::
 
     python benches/fit_costmodel.py                      # the stored runs in benches/results/costmodel/
     python benches/fit_costmodel.py --run --ranks 2 4    # measure first (tcp and shm, every algorithm)
+    python benches/fit_costmodel.py --run --iters 100 --repeat 3   # each row the median of 3 runs
     python benches/fit_costmodel.py --write              # also store the models algorithm="auto" uses
     python benches/fit_costmodel.py a.json b.json        # given ``gradcoll bench --json`` files
 
@@ -12,7 +13,10 @@ world size; ``--fit-ranks 2`` fits on the 2-rank rows only), prints it and
 the % error of the prediction for each measured row. Loopback transports
 (tcp and shm on one host) have no link, so ``beta`` is held at zero and
 ``alpha``, ``switch``, ``gamma``, ``delta`` and ``mem`` are fitted, the
-cache size by trying powers of two. Each row says the node it ran on
+cache size by trying powers of two. ``gamma`` is the reduction kernel's
+cost, the same whatever transport carries the bytes: with rows of several
+transports it is one value for all of them, the one (on a grid) with the
+lowest mean error over all their rows. Each row says the node it ran on
 (``cores``: all ranks on one host of that many cores), which is how the model
 knows that 4 ranks on 2 cores share them. ``--min-size`` (default 64K) is
 the smallest size the error target (25%) applies to and the fit uses.
@@ -20,7 +24,8 @@ the smallest size the error target (25%) applies to and the fit uses.
 least 1), so that a rank's threaded reduction kernel does not take the cores
 of the other ranks (the model gives each rank its share of the node), and
 ``--iters`` iterations per size (errors are on the median iteration,
-``time_med_us``, where the rows have it). ``--write`` stores the models in
+``time_med_us``, where the rows have it); ``--repeat`` runs every bench
+that many times and keeps, per row, the median of the runs. ``--write`` stores the models in
 ``gradcoll/costmodel_fitted.json``, from which ``select_allreduce`` derives
 its thresholds.
 """
@@ -31,6 +36,7 @@ import argparse
 import glob
 import json
 import os
+import statistics
 import subprocess
 import sys
 from dataclasses import asdict
@@ -47,7 +53,15 @@ CACHES = [float(1 << k) for k in range(19, 27)]  # 512 KiB .. 64 MiB
 
 
 def measure(out_dir: str, ranks: list[int], transports: list[str], lo: str, hi: str, iters: int = 30,
-            warmup: int = 3) -> list[str]:
+            warmup: int = 3, repeat: int = 1) -> list[str]:
+    """Run ``gradcoll bench`` for every world size, transport and algorithm; the JSON files written.
+
+    With ``repeat`` > 1 every bench runs that many times (interleaved: all
+    algorithms once, then again) and each row keeps the median over the runs
+    of ``time_med_us`` and ``time_avg_us``, with the runs' medians in
+    ``runs_time_med_us``: 4 ranks on 2 cores differ from one run to the next
+    by up to a third at 64 KiB-2 MiB, whatever the iterations per run.
+    """
     os.makedirs(out_dir, exist_ok=True)
     cores = os.cpu_count() or 1
     paths = []
@@ -55,16 +69,27 @@ def measure(out_dir: str, ranks: list[int], transports: list[str], lo: str, hi: 
         threads = max(1, cores // n)
         env = dict(os.environ, NUMBA_NUM_THREADS=str(threads))
         for be in transports:
-            for algo in ALGORITHMS:
+            runs: dict[str, list[list[dict[str, Any]]]] = {algo: [] for algo in ALGORITHMS}
+            for _ in range(repeat):
+                for algo in ALGORITHMS:
+                    path = os.path.join(out_dir, f"{be}_{algo}_{n}.json")
+                    subprocess.run(env=env, check=True, stdout=subprocess.DEVNULL, args=[
+                        sys.executable, "-m", "gradcoll", "bench", "-n", str(n), "--backend", be, "--algorithm", algo,
+                        "--min-size", lo, "--max-size", hi, "--iters", str(iters), "--warmup", str(warmup),
+                        "--json", path])
+                    with open(path) as f:
+                        runs[algo].append(json.load(f))
+            for algo, got in runs.items():
+                rows = []
+                for same in zip(*got, strict=True):
+                    r = dict(same[0])
+                    r["cores"], r["numba_threads"] = cores, threads  # where it ran: every rank on this host
+                    if repeat > 1:
+                        r["runs_time_med_us"] = [x["time_med_us"] for x in same]
+                        for k in ("time_med_us", "time_avg_us"):
+                            r[k] = statistics.median(x[k] for x in same)
+                    rows.append(r)
                 path = os.path.join(out_dir, f"{be}_{algo}_{n}.json")
-                subprocess.run(env=env, check=True, stdout=subprocess.DEVNULL, args=[
-                    sys.executable, "-m", "gradcoll", "bench", "-n", str(n), "--backend", be, "--algorithm", algo,
-                    "--min-size", lo, "--max-size", hi, "--iters", str(iters), "--warmup", str(warmup),
-                    "--json", path])
-                with open(path) as f:
-                    rows = json.load(f)
-                for r in rows:  # where it ran: every rank on this host
-                    r["cores"], r["numba_threads"] = cores, threads
                 with open(path, "w") as f:
                     json.dump(rows, f, indent=1)
                 paths.append(path)
@@ -87,25 +112,46 @@ def errors(rows: list[dict[str, Any]], model: AlphaBeta, key: str) -> list[tuple
     return out
 
 
-def fit_best(rows: list[dict[str, Any]], key: str) -> AlphaBeta:
-    """The fit over the cache sizes in CACHES with the lowest mean |relative error|."""
+def fit_best(rows: list[dict[str, Any]], key: str, gamma: float | None = None) -> tuple[float, AlphaBeta]:
+    """(mean |relative error| %, model) of the fit over the cache sizes in CACHES with the lowest error.
+
+    ``gamma`` (s/B) holds the reduction kernel's cost instead of fitting it.
+    """
     best: tuple[float, AlphaBeta] | None = None
+    params = LOOPBACK if gamma is None else tuple(p for p in LOOPBACK if p != "gamma_s_per_byte")
+    fixed = None if gamma is None else {"gamma_s_per_byte": gamma}
     for cache in CACHES:
-        m = fit(rows, time_key=key, params=LOOPBACK, cache_bytes=cache)
+        m = fit(rows, time_key=key, params=params, fixed=fixed, cache_bytes=cache)
         score = sum(abs(e) for _, _, e in errors(rows, m, key)) / len(rows)
         if best is None or score < best[0]:
             best = (score, m)
     assert best is not None
-    return best[1]
+    return best
+
+
+def shared_gamma(by_transport: dict[str, list[dict[str, Any]]], key: str) -> float:
+    """The kernel cost (s/B) that, held for every transport, gives the lowest mean |error| over all their rows.
+
+    The reduction kernel is the same whatever carries the bytes, so one
+    ``gamma`` serves every transport (searched on a grid of 1.5-24 GB/s,
+    2^(1/4) apart); the other parameters are fitted per transport.
+    """
+    grid = [1 / (1.5e9 * 2 ** (k / 4)) for k in range(17)]
+    total = {g: sum(fit_best(rows, key, g)[0] * len(rows) for rows in by_transport.values()) for g in grid}
+    return min(grid, key=lambda g: total[g])
 
 
 def report(rows: list[dict[str, Any]], min_size: int, fit_ranks: list[int] | None, verbose: bool) -> dict[str, Any]:
     result: dict[str, Any] = {}
     key = time_key(rows)
-    for tr in sorted({r["transport"] for r in rows}):
+    fitted = {tr: [r for r in rows if r["transport"] == tr and r["algorithm"] in ALGORITHMS and r["size"] >= min_size
+                   and (fit_ranks is None or r["ranks"] in fit_ranks)] for tr in sorted({r["transport"] for r in rows})}
+    gamma = shared_gamma(fitted, key) if len(fitted) > 1 else None
+    if gamma is not None:
+        print(f"gamma (the reduction kernel, one for every transport): {1 / gamma / 1e9:.3g} GB/s")
+    for tr in fitted:
         sel = [r for r in rows if r["transport"] == tr and r["algorithm"] in ALGORITHMS]
-        used = [r for r in sel if r["size"] >= min_size]
-        model = fit_best([r for r in used if fit_ranks is None or r["ranks"] in fit_ranks], key)
+        model = fit_best(fitted[tr], key, gamma)[1]
         print(f"\n## {tr}: {model.describe()}\n(fitted on {key} of rows >= {min_size} B, ranks {fit_ranks or 'all'})")
         errs = errors(sel, model, key)
         if verbose:
@@ -141,6 +187,7 @@ def main() -> int:
     ap.add_argument("--sizes", nargs=2, default=["4K", "32M"])
     ap.add_argument("--iters", type=int, default=30)
     ap.add_argument("--warmup", type=int, default=3)
+    ap.add_argument("--repeat", type=int, default=1, help="run every bench this many times; rows keep the median")
     ap.add_argument("--out", default=STORED, help="where --run writes its JSON files")
     ap.add_argument("--min-size", default="64K")
     ap.add_argument("--fit-ranks", type=int, nargs="+", default=None, help="fit only on these world sizes")
@@ -148,7 +195,8 @@ def main() -> int:
     ap.add_argument("--json", dest="json_path", default=None, help="write the fitted models and errors here")
     ap.add_argument("--write", action="store_true", help=f"store the models for algorithm='auto' ({FITTED_PATH})")
     a = ap.parse_args()
-    paths = measure(a.out, a.ranks, a.transports, *a.sizes, iters=a.iters, warmup=a.warmup) if a.run else (
+    paths = measure(a.out, a.ranks, a.transports, *a.sizes, iters=a.iters, warmup=a.warmup,
+                    repeat=a.repeat) if a.run else (
         a.files or sorted(glob.glob(os.path.join(STORED, "*.json"))))
     rows: list[dict[str, Any]] = []
     for p in paths:

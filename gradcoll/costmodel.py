@@ -38,16 +38,22 @@ and the mean copied and reduced bytes of the other ranks:
   bytes).
 * ``star``: rank 0 receives ``(n-1) S`` through its ingress, adds ``(n-1) S``
   and sends ``(n-1) S``; two message latencies. Copies on the critical path:
-  the first sender's ``S``, the root's ``2 (n-1) S`` plus ``S`` (its own
-  input into the reduction rows), the last receiver's ``S``.
+  the root's ``2 (n-1) S`` plus ``S`` (its own input into the reduction
+  rows). The first sender's copy in and the last receiver's copy out are not
+  on it: the transports stream a message, and a receiver that is only
+  waiting copies out behind the sender's copy in (see
+  :mod:`gradcoll.transport.sim`). They still load the node's memory, so
+  the cache term counts them (``streamed``, ``2 S``).
 * ``recursive_doubling``: ``log2 p`` exchanges of ``S`` bytes (``S`` copied
-  in and ``S`` out), each followed by the reduction of ``S`` (``p`` the
-  largest power of two <= n); when ``n`` is not a power of two, a fold
-  (``S`` bytes, copied by both ends, reduced) and an unfold (``S``, copied by
-  both ends) more.
+  in and ``S`` out: both ends copy their own message in, then the other's
+  out), each followed by the reduction of ``S`` (``p`` the largest power of
+  two <= n); when ``n`` is not a power of two, a fold (``S`` bytes, reduced)
+  and an unfold (``S``) more, each copied once on the critical path (the
+  receiving end waits idle and streams; ``streamed`` ``2 S``).
 
 :func:`predict` adds ``alpha m + switch m x + beta b + cpu``, where ``cpu`` is
-the critical rank's CPU work ``gamma r + delta k`` (plus the cache term), or,
+the critical rank's CPU work ``gamma r + delta k`` (plus the cache term, on
+``r + k`` and the streamed copies), or,
 when the node's ranks outnumber its cores, the node's CPU work shared by
 its cores if that is more (``x = max(0, ranks / cores - 1)``).
 
@@ -137,6 +143,7 @@ class Work(NamedTuple):
     copied: float
     other_reduced: float  # mean over the other ranks
     other_copied: float
+    streamed: float = 0.0  # copied by an idle peer alongside the critical path: its core time hidden, not its memory traffic
 
 
 def link_model(gbit_per_s: float, alpha_s: float, reduce_bytes_per_s: float) -> AlphaBeta:
@@ -155,7 +162,7 @@ def work(algorithm: str, n: int, nbytes: float) -> Work:
         c = s / n
         return Work(2.0 * (n - 1), 2.0 * (n - 1) * c, (n - 1) * c, 4.0 * (n - 1) * c, (n - 1) * c, 4.0 * (n - 1) * c)
     if algorithm == "star":
-        return Work(2.0, 2.0 * (n - 1) * s, (n - 1) * s, (2.0 * n + 1) * s, 0.0, 2.0 * s)
+        return Work(2.0, 2.0 * (n - 1) * s, (n - 1) * s, (2.0 * n - 1) * s, 0.0, 2.0 * s, 2.0 * s)
     if algorithm == "recursive_doubling":
         p = 1 << (n.bit_length() - 1)
         rounds = p.bit_length() - 1
@@ -164,7 +171,8 @@ def work(algorithm: str, n: int, nbytes: float) -> Work:
         r = n - p  # r ranks fold in and sit out, r fold and unfold, p - r only exchange
         other_red = ((r - 1) * (rounds + 1) * s + (p - r) * rounds * s) / (n - 1)
         other_cp = (r * 2 * s + (r - 1) * (2 * rounds + 2) * s + (p - r) * 2 * rounds * s) / (n - 1)
-        return Work(rounds + 2.0, (rounds + 2) * s, (rounds + 1) * s, (2.0 * rounds + 4) * s, other_red, other_cp)
+        return Work(rounds + 2.0, (rounds + 2) * s, (rounds + 1) * s, (2.0 * rounds + 2) * s, other_red, other_cp,
+                    2.0 * s)
     raise UsageError(f"unknown algorithm {algorithm!r}; the model covers {', '.join(ALGORITHMS)}")
 
 
@@ -180,7 +188,8 @@ def _columns(algorithm: str, n: int, nbytes: float, node: Node | None, model: Al
     ranks, cores = (1, 1.0) if node is None else (min(node.ranks, n), node.cores)
     cache = 0.0 if model is None else model.cache_bytes
     out_of_cache = max(0.0, 1.0 - cache / (float(nbytes) * ranks)) if nbytes > 0 else 0.0
-    crit = np.array([w.reduced, w.copied, out_of_cache * (w.reduced + w.copied)])
+    # The streamed copies run on another core but through the same memory: the cache term counts them.
+    crit = np.array([w.reduced, w.copied, out_of_cache * (w.reduced + w.copied + w.streamed)])
     red = w.reduced + (ranks - 1) * w.other_reduced
     cp = w.copied + (ranks - 1) * w.other_copied
     shared = np.array([red, cp, out_of_cache * (red + cp)]) / cores

@@ -99,9 +99,21 @@ def test_sim_matches_closed_form_with_copies_and_cache(algorithm: str, n: int, n
 def test_work_counts_copies_on_the_critical_path() -> None:
     s = 1 << 20
     assert work("ring", 4, s).copied == 4 * 3 * s / 4  # every step copies S/n in and S/n out
-    assert work("star", 4, s).copied == 9 * s  # first sender, root 2(n-1) S + its own copy, last receiver
+    assert work("star", 4, s).copied == 7 * s  # the root's 2(n-1) S + its own copy; both ends of the star stream
     assert work("recursive_doubling", 4, s).copied == 4 * s
-    assert work("recursive_doubling", 6, s)[:4] == (4, 4 * s, 3 * s, 8 * s)
+    assert work("recursive_doubling", 6, s)[:4] == (4, 4 * s, 3 * s, 6 * s)  # fold and unfold stream: S each
+    # The streamed copies leave the critical path's cores, not the node's memory: the cache term still counts them.
+    assert [work(a, 6, s).streamed for a in ALGORITHMS] == [0.0, 2 * s, 2 * s]
+    assert work("recursive_doubling", 4, s).streamed == 0.0
+
+
+def test_sim_streams_a_message_to_an_idle_receiver_only() -> None:
+    # An idle receiver copies out behind the sender's copy in; one busy copying its own message in does not.
+    copy_only = AlphaBeta(10e-6, 0.0, 0.0, delta_s_per_byte=1e-9)
+    s = 1 << 24
+    assert max(simulate("star", 2, s, copy_only)) == pytest.approx(2 * 10e-6 + 3 * s * 1e-9, rel=1e-6)
+    assert max(simulate("recursive_doubling", 2, s, copy_only)) == pytest.approx(10e-6 + 2 * s * 1e-9, rel=1e-6)
+    assert max(simulate("ring", 2, s, copy_only)) == pytest.approx(2 * 10e-6 + 4 * (s / 2) * 1e-9, rel=1e-6)
 
 
 def test_node_sharing_scales_symmetric_algorithms_not_the_star() -> None:

@@ -19,6 +19,15 @@ A message is a :mod:`~gradcoll.transport._frame` header followed by its
 payload, streamed through the ring in pieces when larger than the ring; a
 header never wraps (the producer skips the ring's last bytes instead).
 
+The whole segment is allocated when it is created (``posix_fallocate``) and
+mapped with ``MAP_POPULATE`` on both sides, so no byte that travels later
+takes a page fault. Mapped lazily, the first pass of the traffic through
+each ring (8 MiB per direction) faulted one page in per 4 KiB on each side:
+about 35 faults in each rank per 128 KiB allreduce on 2 ranks, 40% of its
+time. Where ``/dev/shm`` has no room for the whole segment, a warning says
+so and the pages come on first touch, as before (a write past the room
+fails with SIGBUS, as it always did).
+
 Waiting spins briefly, then yields, then sleeps in growing steps; every wait
 is bounded by its deadline. A dead peer is noticed through a ``lockf`` lock
 each side holds on its own byte of the segment file (released by the kernel
@@ -30,7 +39,9 @@ stale ones whose creator is dead.
 
 from __future__ import annotations
 
+import errno
 import fcntl
+import logging
 import mmap
 import os
 import platform
@@ -46,6 +57,8 @@ from .base import Deadline
 
 __all__ = ["ShmTransport", "create"]
 
+log = logging.getLogger(__name__)
+
 RING_BYTES = 8 << 20
 PREFIX = "gcshm-"
 _MAGIC = 0x4743_5348_4D00_0001  # "GCSHM", layout version 1
@@ -59,6 +72,7 @@ _SPIN_S = 200e-6  # busy-wait this long before yielding the CPU (a small exchang
 _pack_header, _unpack_header = fr.HEADER.pack_into, fr.HEADER.unpack_from
 _YIELD_S = 2e-3  # then yield until this long, then sleep
 _PROBE_S = 0.05  # how often a waiting rank checks that its peer process is alive
+_POPULATE = getattr(mmap, "MAP_POPULATE", 0)  # Linux: map every page now, not on its first touch
 
 
 class _Segment:
@@ -69,7 +83,7 @@ class _Segment:
         self.unlinked = False
         # The lock on our own byte tells the peer "alive" until this process exits.
         fcntl.lockf(fd, fcntl.LOCK_EX | fcntl.LOCK_NB, 1, side)
-        self.mm = mmap.mmap(fd, os.fstat(fd).st_size)
+        self.mm = mmap.mmap(fd, os.fstat(fd).st_size, flags=mmap.MAP_SHARED | _POPULATE)
         self.view = memoryview(self.mm)
         self.ctl = self.view[:_CTRL].cast("Q")
 
@@ -368,6 +382,7 @@ def _create_segment(directory: str, name: str, cap: int) -> _Segment:
     fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_EXCL, 0o600)
     try:
         os.ftruncate(fd, _CTRL + 2 * cap)
+        _allocate(fd, _CTRL + 2 * cap, directory)
         seg = _Segment(path, fd, side=0, created=True)
     except BaseException:
         os.close(fd)
@@ -377,6 +392,21 @@ def _create_segment(directory: str, name: str, cap: int) -> _Segment:
     seg.ctl[_W_PID[0]] = os.getpid()
     seg.ctl[_W_MAGIC] = _MAGIC
     return seg
+
+
+def _allocate(fd: int, nbytes: int, directory: str) -> None:
+    """Give the segment file all its pages now (where the file system can; else they come on first touch)."""
+    try:
+        os.posix_fallocate(fd, 0, nbytes)
+    except OSError as exc:
+        if exc.errno in (errno.ENOSPC, errno.ENOMEM):
+            log.warning("no room to allocate a %d-byte shm segment in %s up front (%s): its pages come on first "
+                        "touch, and a write past the room fails with SIGBUS; make %s larger or pass a smaller "
+                        "ring_bytes", nbytes, directory, exc.strerror, directory)
+        elif exc.errno not in (errno.EOPNOTSUPP, errno.ENOSYS, errno.EINVAL):
+            raise
+    except AttributeError:  # no posix_fallocate on this platform
+        pass
 
 
 def _attach(store: Store, key: str, directory: str, host: str, rank: int, peer: int, deadline: Deadline) -> _Segment:

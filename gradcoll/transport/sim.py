@@ -32,10 +32,20 @@ touched only by its own rank's thread, so a run is deterministic):
   ``egress_free = start + beta b``; the message arrives at
   ``start + alpha + beta b``; waiting for the send sets
   ``clock = max(clock, start + beta b)``.
-* waiting for a receive, in the receiver's program order:
-  ``done = max(arrival, ingress_free + beta b)``, ``ingress_free = done``,
-  ``clock = max(clock, done) + delta b`` (a rank's ingress takes one message
-  at a time; the copy out follows it on the receiver's CPU).
+* waiting for a receive, in the receiver's program order (``w``: the
+  receiver's clock when it waits): ``done = max(arrival, ingress_free + beta b)``,
+  ``ingress_free = done``, ``clock = max(w + delta b, done + delta b - overlap)``
+  (a rank's ingress takes one message at a time; the copy out runs on the
+  receiver's CPU). ``overlap`` is the part of the sender's copy in
+  (``[c0, c0 + delta b]``) during which the receiver was already waiting,
+  ``max(0, min(delta_core b, c0 + delta b - max(w, c0)))``, where
+  ``delta_core`` is ``delta`` without the cache term (two cores streaming the
+  same message still share the memory): the transports stream a
+  message (shm publishes every 256 KiB, TCP moves segments), so an idle
+  receiver copies out behind the sender's copy in. A receiver that was
+  copying its own message in meanwhile (the ring, recursive doubling) gets
+  no overlap; an idle one (the star's root and non-roots, the fold and
+  unfold of recursive doubling) overlaps the whole message.
 * CPU per byte (``gamma``, ``delta``) includes the cache term: ``mem`` on the
   fraction ``max(0, 1 - cache_bytes / S)`` of the buffer that does not fit.
 
@@ -74,10 +84,11 @@ _LOCAL = threading.local()  # .transport: the SimTransport of the current simula
 
 
 class _Msg:
-    __slots__ = ("seq", "tag", "length", "arrival", "vbytes")
+    __slots__ = ("seq", "tag", "length", "arrival", "vbytes", "copy_start")
 
-    def __init__(self, seq: int, tag: int, length: int, arrival: float, vbytes: float) -> None:
+    def __init__(self, seq: int, tag: int, length: int, arrival: float, vbytes: float, copy_start: float) -> None:
         self.seq, self.tag, self.length, self.arrival, self.vbytes = seq, tag, length, arrival, vbytes
+        self.copy_start = copy_start  # when the sender began copying it in
 
 
 class _Pair:
@@ -102,6 +113,8 @@ class SimWorld:
         #: CPU seconds per reduced and per copied byte, the cache term included.
         self.gamma = model.gamma_s_per_byte + model.mem_s_per_byte * out_of_cache
         self.delta = model.delta_s_per_byte + model.mem_s_per_byte * out_of_cache
+        #: The part of a copy's cost a streaming receiver can hide (its core's, not the memory's).
+        self.delta_core = model.delta_s_per_byte
         self.pairs: dict[tuple[int, int], _Pair] = {}
         self._lock = threading.Lock()
 
@@ -155,7 +168,10 @@ class _RecvReq(Request):
         beta = t.world.model.beta_s_per_byte
         done = max(msg.arrival, t.ingress_free + beta * msg.vbytes)
         t.ingress_free = done
-        t.clock = max(t.clock, done) + t.world.delta * msg.vbytes
+        copy = t.world.delta * msg.vbytes
+        core = t.world.delta_core * msg.vbytes
+        overlap = max(0.0, min(core, msg.copy_start + copy - max(t.clock, msg.copy_start)))  # streamed behind the sender
+        t.clock = max(t.clock + copy, done + copy - overlap)
         self._result = msg.length
         return msg.length
 
@@ -183,6 +199,7 @@ class SimTransport(Transport):
         length = len(as_bytes_view(buf))
         vbytes = length * self.world.scale
         m = self.world.model
+        copy_start = self.clock
         self.clock += self.world.delta * vbytes  # the copy in
         start = max(self.clock, self.egress_free)
         self.egress_free = start + m.beta_s_per_byte * vbytes
@@ -190,7 +207,8 @@ class SimTransport(Transport):
         with pair.cond:
             seq = pair.send_seq
             pair.send_seq += 1
-            pair.messages.append(_Msg(seq, tag, length, start + m.alpha_s + m.beta_s_per_byte * vbytes, vbytes))
+            pair.messages.append(_Msg(seq, tag, length, start + m.alpha_s + m.beta_s_per_byte * vbytes, vbytes,
+                                      copy_start))
             pair.cond.notify_all()
         return _SendReq(self, self.egress_free, length)
 

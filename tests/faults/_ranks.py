@@ -117,9 +117,8 @@ def rank_main(cfg: dict[str, Any], rank: int, conn: Any) -> None:
 def rss_bytes() -> int:
     """Private resident memory of this process (RssAnon).
 
-    Total RSS also counts the pages of the shm transport's rings as the
-    rings wrap for the first time (up to 2 x 8 MiB per peer): shared memory
-    that was allocated at start-up, not a leak.
+    Total RSS also counts the shm transport's rings (2 x 8 MiB per peer,
+    mapped in full at start-up): shared memory, not a leak.
     """
     with open("/proc/self/status") as f:
         for line in f:
