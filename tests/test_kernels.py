@@ -290,13 +290,17 @@ def test_warmup_compiles():
 def test_no_fastmath_in_finite_checking_kernels():
     from numba.core.registry import CPUDispatcher
 
-    from gradcoll._kernels import numba_cpu
+    from gradcoll._kernels import numba_cpu, numba_fixed, numba_wire
 
-    for name in dir(numba_cpu):
-        fn = getattr(numba_cpu, name)
-        if isinstance(fn, CPUDispatcher):
-            fm = fn.targetoptions.get("fastmath", False)
-            assert not fm, f"{name} uses fastmath={fm}"
+    seen = 0
+    for mod in (numba_cpu, numba_wire, numba_fixed):
+        for name in dir(mod):
+            fn = getattr(mod, name)
+            if isinstance(fn, CPUDispatcher):
+                fm = fn.targetoptions.get("fastmath", False)
+                assert not fm, f"{mod.__name__}.{name} uses fastmath={fm}"
+                seen += 1
+    assert seen >= 10
 
 
 def test_reference_locates_first_element_then_contributor():

@@ -277,7 +277,8 @@ def scale(buf: np.ndarray, factor: float) -> None:
 
 
 def warmup() -> None:
-    """Compile the common specialisations (float32/float64, 2-D and 2-8 tuples, serial and threaded)."""
+    """Compile the common specialisations (float32/float64, 2-D and 2-8 tuples, serial and threaded),
+    and those of the low-precision wire and deterministic kernels."""
     for dt in (np.float32, np.float64):
         for m in (8, PARALLEL_ELEMS):
             x = np.ones((2, m), dt)
@@ -288,3 +289,7 @@ def warmup() -> None:
             accumulate(out, x[0], None, 2, True)
             is_all_finite(out)
         reduce_rows(np.ones((2, 8), np.float32), np.empty(8, np.float64), np.dtype(np.float64), 2, True)
+    from . import numba_fixed, numba_wire  # the wire and deterministic kernels are Numba's too
+
+    numba_wire.warmup()
+    numba_fixed.warmup()

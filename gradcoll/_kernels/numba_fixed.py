@@ -117,3 +117,14 @@ def reduce_rows(own, rows, own_bits, rows_bits, out, mask, shift, top, hi, lo, b
             acc[j] = plain[j] if (b == top) | (mb[j] == 0) else acc[j] * _as_float64((be + lo) << 52)
         bad += _store(acc, out[i0:i0 + w], w, divisor, recip, limit)
     return bad > 0
+
+
+def warmup() -> None:
+    """Compile the float32 and float64 specialisations (two contributions and more, in place and not)."""
+    from ..algorithms.deterministic import exact_reduce
+
+    for dt in (np.float32, np.float64):
+        x = np.ones((4, 8), dt)
+        for k in (1, 3):
+            exact_reduce(x[0], x[1:k + 1], np.empty(8, dt), float(k + 1))
+            exact_reduce(x[0], x[1:k + 1], x[0], float(k + 1))
