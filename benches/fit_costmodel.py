@@ -12,8 +12,12 @@ For every transport it fits one model to all rows (every algorithm, every
 world size; ``--fit-ranks 2`` fits on the 2-rank rows only), prints it and
 the % error of the prediction for each measured row. Loopback transports
 (tcp and shm on one host) have no link, so ``beta`` is held at zero and
-``alpha``, ``switch``, ``gamma``, ``delta`` and ``mem`` are fitted, the
-cache size by trying powers of two. ``gamma`` is the reduction kernel's
+``alpha``, ``switch``, ``gamma``, ``delta``, ``mem``, ``l2`` and
+``wait_share`` are fitted, the node's cache size by trying powers of two.
+Two sizes are not fitted but read: the per-core cache ``l2_bytes`` (level 2,
+from sysfs when ``--run`` measures, stored in every row) and
+``wait_busy_s``, how long a waiting rank of the transport stays runnable
+(shm's yield window, tcp's busy poll: the transports' constants). ``gamma`` is the reduction kernel's
 cost, the same whatever transport carries the bytes: with rows of several
 transports it is one value for all of them, the one (on a grid) with the
 lowest mean error over all their rows. Each row says the node it ran on
@@ -48,7 +52,7 @@ from gradcoll.costmodel import ALGORITHMS, FITTED_PATH, AlphaBeta, Node, fit, pr
 HERE = os.path.dirname(os.path.abspath(__file__))
 STORED = os.path.join(HERE, "results", "costmodel")
 #: Parameters fitted for loopback transports (no link: beta stays 0).
-LOOPBACK = ("alpha_s", "switch_s", "gamma_s_per_byte", "delta_s_per_byte", "mem_s_per_byte")
+LOOPBACK = ("alpha_s", "switch_s", "gamma_s_per_byte", "delta_s_per_byte", "mem_s_per_byte", "l2_s_per_byte", "wait_share")
 CACHES = [float(1 << k) for k in range(19, 27)]  # 512 KiB .. 64 MiB
 
 
@@ -64,6 +68,7 @@ def measure(out_dir: str, ranks: list[int], transports: list[str], lo: str, hi: 
     """
     os.makedirs(out_dir, exist_ok=True)
     cores = os.cpu_count() or 1
+    l2 = l2_per_core()
     paths = []
     for n in ranks:
         threads = max(1, cores // n)
@@ -84,6 +89,7 @@ def measure(out_dir: str, ranks: list[int], transports: list[str], lo: str, hi: 
                 for same in zip(*got, strict=True):
                     r = dict(same[0])
                     r["cores"], r["numba_threads"] = cores, threads  # where it ran: every rank on this host
+                    r["l2_bytes"] = l2  # its per-core cache
                     if repeat > 1:
                         r["runs_time_med_us"] = [x["time_med_us"] for x in same]
                         for k in ("time_med_us", "time_avg_us"):
@@ -94,6 +100,45 @@ def measure(out_dir: str, ranks: list[int], transports: list[str], lo: str, hi: 
                     json.dump(rows, f, indent=1)
                 paths.append(path)
     return paths
+
+
+def l2_per_core() -> float:
+    """This machine's per-core (level 2) cache in bytes, from sysfs; 0 where it cannot be read."""
+    base = "/sys/devices/system/cpu/cpu0/cache"
+    for idx in sorted(glob.glob(os.path.join(base, "index*"))):
+        try:
+            with open(os.path.join(idx, "level")) as f:
+                level = int(f.read())
+            with open(os.path.join(idx, "size")) as f:
+                size = f.read().strip()
+        except (OSError, ValueError):
+            continue
+        if level == 2:
+            return float(parse_size(size.rstrip("B")))
+    return 0.0
+
+
+def l2_of(rows: list[dict[str, Any]]) -> float:
+    """The per-core cache the rows were measured with (``l2_bytes``, recorded by ``--run``), else this machine's."""
+    got = {r["l2_bytes"] for r in rows if "l2_bytes" in r}
+    return float(got.pop()) if len(got) == 1 else l2_per_core()
+
+
+def wait_busy(rows: list[dict[str, Any]]) -> float:
+    """How long a waiting rank of the rows' transport stays runnable before it sleeps (the transport's constants).
+
+    shm on a node with more ranks than cores does not spin but yields the CPU
+    (``sched_yield``) for its first ``_YIELD_S``; tcp busy-polls ``SPIN_S``
+    and then sleeps in ``poll()``.
+    """
+    from gradcoll.transport import shm, tcp
+
+    names = {r["transport"] for r in rows}
+    if names == {"shm"}:
+        return float(shm._YIELD_S)
+    if names == {"tcp"}:
+        return float(tcp.SPIN_S)
+    return 0.0
 
 
 def time_key(rows: list[dict[str, Any]]) -> str:
@@ -121,7 +166,8 @@ def fit_best(rows: list[dict[str, Any]], key: str, gamma: float | None = None) -
     params = LOOPBACK if gamma is None else tuple(p for p in LOOPBACK if p != "gamma_s_per_byte")
     fixed = None if gamma is None else {"gamma_s_per_byte": gamma}
     for cache in CACHES:
-        m = fit(rows, time_key=key, params=params, fixed=fixed, cache_bytes=cache)
+        m = fit(rows, time_key=key, params=params, fixed=fixed, cache_bytes=cache, l2_bytes=l2_of(rows),
+                wait_busy_s=wait_busy(rows))
         score = sum(abs(e) for _, _, e in errors(rows, m, key)) / len(rows)
         if best is None or score < best[0]:
             best = (score, m)

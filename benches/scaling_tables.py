@@ -22,7 +22,8 @@ SHORT = {"ring": "ring", "star": "star", "recursive_doubling": "rec. doubling"}
 def human(n: float) -> str:
     for unit, k in (("GiB", 1 << 30), ("MiB", 1 << 20), ("KiB", 1 << 10)):
         if n >= k:
-            return f"{n / k:.3g} {unit}"
+            v = n / k
+            return f"{v:.3g} {unit}" if v < 1000 else f"{v:,.0f} {unit}"  # 1,010 KiB, not 1.01e+03 KiB
     return f"{int(n)} B"
 
 

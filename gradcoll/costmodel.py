@@ -20,6 +20,22 @@ A transport is described by :class:`AlphaBeta`:
 * ``mem_s_per_byte`` and ``cache_bytes``: the extra CPU cost per byte
   (copied or reduced) of the part of the node's working set (``S`` times the
   ranks on the node) that does not fit in ``cache_bytes``.
+* ``l2_s_per_byte`` and ``l2_bytes``: the same for a core's own cache
+  (level 2), whose working set is one message: a copy or reduction of a
+  message of ``m`` bytes pays ``l2`` on the fraction
+  ``max(0, 1 - l2_bytes / (4 m x))`` (:func:`out_of_l2`): the core touches
+  the message in the user buffer and in the transport's (socket buffer, shm
+  segment), for the message it sends and the one it receives, and ``x``
+  ranks time-sharing the core (``max(1, ranks / cores)``) share its cache.
+  ``l2_bytes`` is read from the machine (sysfs), not fitted;
+* ``wait_share`` and ``wait_busy_s``: on a node with more ranks than cores,
+  a rank waiting for the critical rank stays runnable (busy-polls or
+  yields) for the transport's first ``wait_busy_s`` and takes
+  ``wait_share`` of a core from the working ranks meanwhile, times
+  ``ranks / cores - 1``. ``wait_busy_s`` is the transport's constant (shm
+  yields for 2 ms, tcp polls 50 us), not fitted. It applies where the
+  critical rank works while others wait (the star's root), not where every
+  rank works at once (the node's shared CPU already counts those).
 
 The node is an explicit input (:class:`Node`: ranks on one node and the
 cores they share); the default, ``node=None``, gives every rank a core of its
@@ -29,6 +45,9 @@ predictions assume.
 :func:`work` gives, for one algorithm, world size and buffer size ``S``, the
 messages, link bytes, reduced bytes and copied bytes on the critical path,
 and the mean copied and reduced bytes of the other ranks:
+
+The message size per algorithm (for the per-core cache) is ``S/n`` for the
+ring and ``S`` for the star and recursive doubling (``Work.message``).
 
 * ``ring``: ``2 (n-1)`` steps of ``S/n`` bytes, ``n-1`` of them followed by
   the reduction of ``S/n``; every step copies ``S/n`` in and ``S/n`` out.
@@ -52,8 +71,9 @@ and the mean copied and reduced bytes of the other ranks:
   receiving end waits idle and streams; ``streamed`` ``2 S``).
 
 :func:`predict` adds ``alpha m + switch m x + beta b + cpu``, where ``cpu`` is
-the critical rank's CPU work ``gamma r + delta k`` (plus the cache term, on
-``r + k`` and the streamed copies), or,
+the critical rank's CPU work ``gamma r + delta k`` (plus the node's cache
+term, on ``r + k`` and the streamed copies, and the per-core one, on
+``r + k``) plus ``wait_share x min(that, wait_busy_s)``, or,
 when the node's ranks outnumber its cores, the node's CPU work shared by
 its cores if that is more (``x = max(0, ranks / cores - 1)``).
 
@@ -66,7 +86,8 @@ reads the models fitted to this project's measurements
 (``costmodel_fitted.json``, written by ``benches/fit_costmodel.py``), from
 which ``algorithm="auto"`` takes its thresholds. The simulated transport
 :mod:`gradcoll.transport.sim` runs the real algorithm code against the same
-model (one core per rank); its virtual times equal these closed forms.
+model (one core per rank, so without ``switch``, the shared CPU and
+``wait_share``); its virtual times equal these closed forms.
 """
 
 from __future__ import annotations
@@ -90,7 +111,12 @@ __all__ = ["AlphaBeta", "Node", "Work", "ALGORITHMS", "PARAMETERS", "terms", "wo
 ALGORITHMS = ("ring", "star", "recursive_doubling")
 
 #: The linear parameters :func:`fit` can estimate, in this order.
-PARAMETERS = ("alpha_s", "switch_s", "beta_s_per_byte", "gamma_s_per_byte", "delta_s_per_byte", "mem_s_per_byte")
+PARAMETERS = ("alpha_s", "switch_s", "beta_s_per_byte", "gamma_s_per_byte", "delta_s_per_byte", "mem_s_per_byte",
+              "l2_s_per_byte", "wait_share")
+
+#: A rank's per-core working set per message: the message in its user buffer and in the transport's buffer
+#: (socket buffer, shm segment), for the message it sends and the one it receives.
+L2_COPIES = 4
 
 #: The stored models fitted to this project's measurements (``benches/fit_costmodel.py --write``).
 FITTED_PATH = os.path.join(os.path.dirname(os.path.abspath(__file__)), "costmodel_fitted.json")
@@ -107,6 +133,10 @@ class AlphaBeta:
     switch_s: float = 0.0
     mem_s_per_byte: float = 0.0
     cache_bytes: float = 0.0
+    l2_s_per_byte: float = 0.0
+    l2_bytes: float = 0.0
+    wait_share: float = 0.0
+    wait_busy_s: float = 0.0
 
     def describe(self) -> str:
         """``alpha 12.3 us, beta 1.05 GB/s, gamma 4.2 GB/s`` (bandwidths as 1/beta, ...), then the optional terms."""
@@ -119,6 +149,10 @@ class AlphaBeta:
             out += f", switch {self.switch_s * 1e6:.3g} us"
         if self.mem_s_per_byte:
             out += f", mem {self.mem_s_per_byte * 1e12:.3g} ps/B beyond {self.cache_bytes / (1 << 20):.3g} MiB"
+        if self.l2_s_per_byte:
+            out += f", l2 {self.l2_s_per_byte * 1e12:.3g} ps/B beyond {self.l2_bytes / (1 << 20):.3g} MiB per core"
+        if self.wait_share:
+            out += f", wait share {self.wait_share:.2g} of the first {self.wait_busy_s * 1e6:.3g} us"
         return out
 
 
@@ -144,6 +178,17 @@ class Work(NamedTuple):
     other_reduced: float  # mean over the other ranks
     other_copied: float
     streamed: float = 0.0  # copied by an idle peer alongside the critical path: its core time hidden, not its memory traffic
+    message: float = 0.0  # bytes of one message (and of one reduction's incoming contribution)
+
+
+def out_of_l2(message: float, l2_bytes: float, ranks_per_core: float = 1.0) -> float:
+    """The fraction of a copy or reduction of ``message`` bytes that misses a per-core cache of ``l2_bytes``.
+
+    The core's working set is :data:`L2_COPIES` times the message (times the
+    ranks that time-share the core).
+    """
+    ws = L2_COPIES * message * max(1.0, ranks_per_core)
+    return max(0.0, 1.0 - l2_bytes / ws) if ws > 0 and l2_bytes > 0 else 0.0
 
 
 def link_model(gbit_per_s: float, alpha_s: float, reduce_bytes_per_s: float) -> AlphaBeta:
@@ -160,19 +205,20 @@ def work(algorithm: str, n: int, nbytes: float) -> Work:
     s = float(nbytes)
     if algorithm == "ring":
         c = s / n
-        return Work(2.0 * (n - 1), 2.0 * (n - 1) * c, (n - 1) * c, 4.0 * (n - 1) * c, (n - 1) * c, 4.0 * (n - 1) * c)
+        return Work(2.0 * (n - 1), 2.0 * (n - 1) * c, (n - 1) * c, 4.0 * (n - 1) * c, (n - 1) * c, 4.0 * (n - 1) * c,
+                    0.0, c)
     if algorithm == "star":
-        return Work(2.0, 2.0 * (n - 1) * s, (n - 1) * s, (2.0 * n - 1) * s, 0.0, 2.0 * s, 2.0 * s)
+        return Work(2.0, 2.0 * (n - 1) * s, (n - 1) * s, (2.0 * n - 1) * s, 0.0, 2.0 * s, 2.0 * s, s)
     if algorithm == "recursive_doubling":
         p = 1 << (n.bit_length() - 1)
         rounds = p.bit_length() - 1
         if n == p:
-            return Work(float(rounds), rounds * s, rounds * s, 2.0 * rounds * s, rounds * s, 2.0 * rounds * s)
+            return Work(float(rounds), rounds * s, rounds * s, 2.0 * rounds * s, rounds * s, 2.0 * rounds * s, 0.0, s)
         r = n - p  # r ranks fold in and sit out, r fold and unfold, p - r only exchange
         other_red = ((r - 1) * (rounds + 1) * s + (p - r) * rounds * s) / (n - 1)
         other_cp = (r * 2 * s + (r - 1) * (2 * rounds + 2) * s + (p - r) * 2 * rounds * s) / (n - 1)
         return Work(rounds + 2.0, (rounds + 2) * s, (rounds + 1) * s, (2.0 * rounds + 2) * s, other_red, other_cp,
-                    2.0 * s)
+                    2.0 * s, s)
     raise UsageError(f"unknown algorithm {algorithm!r}; the model covers {', '.join(ALGORITHMS)}")
 
 
@@ -188,17 +234,25 @@ def _columns(algorithm: str, n: int, nbytes: float, node: Node | None, model: Al
     ranks, cores = (1, 1.0) if node is None else (min(node.ranks, n), node.cores)
     cache = 0.0 if model is None else model.cache_bytes
     out_of_cache = max(0.0, 1.0 - cache / (float(nbytes) * ranks)) if nbytes > 0 else 0.0
-    # The streamed copies run on another core but through the same memory: the cache term counts them.
-    crit = np.array([w.reduced, w.copied, out_of_cache * (w.reduced + w.copied + w.streamed)])
+    l2 = out_of_l2(w.message, 0.0 if model is None else model.l2_bytes, ranks / cores)
+    # The streamed copies run on another core but through the same memory: the cache term counts them (the
+    # per-core l2 term, like delta, not: that core's time is hidden).
+    crit = np.array([w.reduced, w.copied, out_of_cache * (w.reduced + w.copied + w.streamed), l2 * (w.reduced + w.copied)])
     red = w.reduced + (ranks - 1) * w.other_reduced
     cp = w.copied + (ranks - 1) * w.other_copied
-    shared = np.array([red, cp, out_of_cache * (red + cp)]) / cores
+    shared = np.array([red, cp, out_of_cache * (red + cp), l2 * (red + cp)]) / cores
     cpu = crit
+    x = max(0.0, ranks / cores - 1.0)
+    waiting = 0.0
     if ranks > cores and model is not None:
-        g = np.array([model.gamma_s_per_byte, model.delta_s_per_byte, model.mem_s_per_byte])
+        g = np.array([model.gamma_s_per_byte, model.delta_s_per_byte, model.mem_s_per_byte, model.l2_s_per_byte])
         if float(shared @ g) > float(crit @ g):
             cpu = shared
-    return np.array([w.messages, w.messages * max(0.0, ranks / cores - 1.0), w.link_bytes, *cpu])
+        else:
+            # The critical rank works while others wait for it; a waiting rank stays runnable (polls or
+            # yields) for the transport's first wait_busy_s, and takes a share of the cores meanwhile.
+            waiting = x * min(float(crit @ g), model.wait_busy_s)
+    return np.array([w.messages, w.messages * x, w.link_bytes, *cpu, waiting])
 
 
 def _vector(model: AlphaBeta) -> np.ndarray:
@@ -228,7 +282,8 @@ def _row_node(row: Mapping[str, Any]) -> Node | None:
 
 def fit(rows: Iterable[Mapping[str, Any]], *, time_key: str = "time_avg_us",
         params: Sequence[str] = ("alpha_s", "beta_s_per_byte", "gamma_s_per_byte"),
-        fixed: Mapping[str, float] | None = None, cache_bytes: float = 0.0) -> AlphaBeta:
+        fixed: Mapping[str, float] | None = None, cache_bytes: float = 0.0, l2_bytes: float = 0.0,
+        wait_busy_s: float = 0.0) -> AlphaBeta:
     """Least-squares fit of the ``params`` (of :data:`PARAMETERS`) to ``gradcoll bench --json`` rows.
 
     Each row needs ``algorithm`` (one of :data:`ALGORITHMS`), ``ranks``,
@@ -262,7 +317,7 @@ def fit(rows: Iterable[Mapping[str, Any]], *, time_key: str = "time_avg_us",
     coef = held.copy()
     coef[free] = 1e-9  # any positive start: only picks the first CPU branch of oversubscribed rows
     for _ in range(20):  # the CPU branch of oversubscribed rows depends on the parameters: iterate to a fixed point
-        model = _from_vector(coef, cache_bytes)
+        model = _from_vector(coef, cache_bytes, l2_bytes, wait_busy_s)
         a = np.array([_columns(al, n, s, nd, model) for al, n, s, nd in data])
         y = (t - a @ held) / t  # relative residuals
         a = a / t[:, None]
@@ -277,12 +332,12 @@ def fit(rows: Iterable[Mapping[str, Any]], *, time_key: str = "time_avg_us",
         if np.allclose(new, coef, rtol=1e-9, atol=0.0):
             break
         coef = new
-    return _from_vector(coef, cache_bytes)
+    return _from_vector(coef, cache_bytes, l2_bytes, wait_busy_s)
 
 
-def _from_vector(coef: np.ndarray, cache_bytes: float) -> AlphaBeta:
+def _from_vector(coef: np.ndarray, cache_bytes: float, l2_bytes: float = 0.0, wait_busy_s: float = 0.0) -> AlphaBeta:
     values = {name: float(v) for name, v in zip(PARAMETERS, coef, strict=True)}
-    return AlphaBeta(**values, cache_bytes=float(cache_bytes))
+    return AlphaBeta(**values, cache_bytes=float(cache_bytes), l2_bytes=float(l2_bytes), wait_busy_s=float(wait_busy_s))
 
 
 def crossovers(model: AlphaBeta, n: int, *, lo: int = 1 << 10, hi: int = 1 << 30,

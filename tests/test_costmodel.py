@@ -7,7 +7,7 @@ import pytest
 
 from gradcoll import kernels
 from gradcoll.algorithms import DEFAULT_TRANSPORT, SEARCH_BYTES, auto_thresholds, select_allreduce
-from gradcoll.costmodel import ALGORITHMS, AlphaBeta, Node, best, crossovers, fit, predict, stored_models, terms, work
+from gradcoll.costmodel import ALGORITHMS, AlphaBeta, Node, best, crossovers, fit, out_of_l2, predict, stored_models, terms, work
 from gradcoll.errors import UsageError
 from gradcoll.transport.sim import simulate
 
@@ -85,14 +85,15 @@ def test_sim_ring_pipelining_is_not_slower() -> None:
 
 
 LOOPBACK = AlphaBeta(30e-6, 0.0, 1 / 4e9, delta_s_per_byte=1 / 15e9, switch_s=100e-6, mem_s_per_byte=7e-11,
-                     cache_bytes=16 << 20)
+                     cache_bytes=16 << 20, l2_s_per_byte=5e-11, l2_bytes=2 << 20, wait_share=0.5, wait_busy_s=2e-3)
 
 
 @pytest.mark.parametrize("algorithm", ALGORITHMS)
 @pytest.mark.parametrize("n", [2, 8, 12])
-@pytest.mark.parametrize("nbytes", [1 << 20, 1 << 30])
+@pytest.mark.parametrize("nbytes", [1 << 20, 4 << 20, 1 << 30])
 def test_sim_matches_closed_form_with_copies_and_cache(algorithm: str, n: int, nbytes: int) -> None:
-    # delta (copies on each rank's CPU, half duplex) and the cache term are in both the simulation and the closed form.
+    # delta (copies on each rank's CPU, half duplex) and both cache terms (the node's, and the per-core one by
+    # message size) are in both the simulation and the closed form.
     assert max(simulate(algorithm, n, nbytes, LOOPBACK)) == pytest.approx(predict(algorithm, n, nbytes, LOOPBACK), rel=0.02)
 
 
@@ -105,6 +106,39 @@ def test_work_counts_copies_on_the_critical_path() -> None:
     # The streamed copies leave the critical path's cores, not the node's memory: the cache term still counts them.
     assert [work(a, 6, s).streamed for a in ALGORITHMS] == [0.0, 2 * s, 2 * s]
     assert work("recursive_doubling", 4, s).streamed == 0.0
+
+
+def test_per_core_cache_term_goes_by_message_size() -> None:
+    # A core touches 4 copies of a message (user and transport buffer, out and in): 512 KiB fit a 2 MiB cache,
+    # 1 MiB half miss; two ranks time-sharing the core double the working set.
+    assert out_of_l2(512 << 10, 2 << 20) == 0.0
+    assert out_of_l2(1 << 20, 2 << 20) == pytest.approx(0.5)
+    assert out_of_l2(512 << 10, 2 << 20, ranks_per_core=2.0) == pytest.approx(0.5)
+    assert out_of_l2(1 << 20, 0.0) == 0.0
+    l2_only = AlphaBeta(0.0, 0.0, 1e-9, delta_s_per_byte=1e-9, l2_s_per_byte=1e-9, l2_bytes=2 << 20)
+    base = AlphaBeta(0.0, 0.0, 1e-9, delta_s_per_byte=1e-9)
+    s = 2 << 20
+    # 2 ranks: the ring's messages are S/2 = 1 MiB (half out of cache), recursive doubling's S (3/4 out).
+    w = work("ring", 2, s)
+    assert predict("ring", 2, s, l2_only) == pytest.approx(predict("ring", 2, s, base) + 0.5 * 1e-9 * (w.reduced + w.copied))
+    w = work("recursive_doubling", 2, s)
+    assert predict("recursive_doubling", 2, s, l2_only) == pytest.approx(
+        predict("recursive_doubling", 2, s, base) + 0.75 * 1e-9 * (w.reduced + w.copied))
+    assert predict("ring", 2, 1 << 20, l2_only) == predict("ring", 2, 1 << 20, base)
+
+
+def test_waiting_ranks_share_the_cores_for_the_transports_busy_window() -> None:
+    # 4 ranks on 2 cores: the star's root works while 3 ranks wait; for the first wait_busy_s they stay runnable.
+    cpu = AlphaBeta(0.0, 0.0, 1e-9, delta_s_per_byte=1e-9)
+    waits = AlphaBeta(0.0, 0.0, 1e-9, delta_s_per_byte=1e-9, wait_share=0.5, wait_busy_s=2e-3)
+    node = Node(4, 2)
+    for s in (1 << 16, 1 << 20, 1 << 24):
+        root = predict("star", 4, s, cpu, node=node)  # all CPU: the root's work
+        assert predict("star", 4, s, waits, node=node) == pytest.approx(root + 0.5 * min(root, 2e-3))
+        # Every rank busy (the ring): the node's CPU is already shared, no one waits long.
+        assert predict("ring", 4, s, waits, node=node) == pytest.approx(predict("ring", 4, s, cpu, node=node))
+    # A core per rank: waiting costs nothing.
+    assert predict("star", 4, 1 << 20, waits, node=Node(4, 4)) == pytest.approx(predict("star", 4, 1 << 20, cpu))
 
 
 def test_sim_streams_a_message_to_an_idle_receiver_only() -> None:
@@ -138,8 +172,9 @@ def test_fit_recovers_the_loopback_model() -> None:
             for k in range(16, 27):
                 t = predict(algo, n, 1 << k, LOOPBACK, node=Node(n, 2)) * (1 + 0.01 * rng.standard_normal())
                 rows.append({"algorithm": algo, "ranks": n, "size": 1 << k, "cores": 2, "time_med_us": t * 1e6})
-    params = ("alpha_s", "switch_s", "gamma_s_per_byte", "delta_s_per_byte", "mem_s_per_byte")
-    m = fit(rows, time_key="time_med_us", params=params, cache_bytes=16 << 20)
+    params = ("alpha_s", "switch_s", "gamma_s_per_byte", "delta_s_per_byte", "mem_s_per_byte", "l2_s_per_byte",
+              "wait_share")
+    m = fit(rows, time_key="time_med_us", params=params, cache_bytes=16 << 20, l2_bytes=2 << 20, wait_busy_s=2e-3)
     for name in params:
         assert getattr(m, name) == pytest.approx(getattr(LOOPBACK, name), rel=0.15), name
     with pytest.raises(UsageError):
@@ -151,6 +186,7 @@ def test_stored_models_load() -> None:
     assert {"shm", "tcp"} <= set(models)
     for model, cores, max_ranks in models.values():
         assert model.alpha_s > 0 and model.delta_s_per_byte > 0 and model.gamma_s_per_byte > 0
+        assert model.l2_bytes > 0  # the per-core cache of the machine measured on, recorded when fitting
         assert cores is None or cores >= 1
         assert max_ranks >= 2
 

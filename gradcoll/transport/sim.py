@@ -39,15 +39,20 @@ touched only by its own rank's thread, so a run is deterministic):
   receiver's CPU). ``overlap`` is the part of the sender's copy in
   (``[c0, c0 + delta b]``) during which the receiver was already waiting,
   ``max(0, min(delta_core b, c0 + delta b - max(w, c0)))``, where
-  ``delta_core`` is ``delta`` without the cache term (two cores streaming the
-  same message still share the memory): the transports stream a
+  ``delta_core`` is ``delta`` without the node's cache term (two cores
+  streaming the same message still share the memory) but with the per-core
+  one (each core's own cache misses run on that core): the transports stream a
   message (shm publishes every 256 KiB, TCP moves segments), so an idle
   receiver copies out behind the sender's copy in. A receiver that was
   copying its own message in meanwhile (the ring, recursive doubling) gets
   no overlap; an idle one (the star's root and non-roots, the fold and
   unfold of recursive doubling) overlaps the whole message.
-* CPU per byte (``gamma``, ``delta``) includes the cache term: ``mem`` on the
-  fraction ``max(0, 1 - cache_bytes / S)`` of the buffer that does not fit.
+* CPU per byte (``gamma``, ``delta``) includes the cache terms: ``mem`` on the
+  fraction ``max(0, 1 - cache_bytes / S)`` of the buffer that does not fit,
+  and ``l2`` on the fraction ``max(0, 1 - l2_bytes / (4 m))`` of a copy or
+  reduction of one message of ``m`` bytes that does not fit in the core's
+  own cache (:func:`gradcoll.costmodel.out_of_l2`; ``m`` is the message the
+  operation copies, or the incoming contribution it reduces).
 
 Under these rules the times equal the closed forms of
 :func:`gradcoll.costmodel.predict` with ``node=None`` (the ring run with one
@@ -55,7 +60,8 @@ segment per chunk, the default here), when ``beta`` or ``delta`` is zero:
 with both, the closed form adds the star root's link time and copy time,
 while here its copy out of one message overlaps the next one's arrival.
 What the simulation leaves out: ranks sharing a node's cores (``Node``:
-``switch_s`` and the node's CPU shared by its cores). Every simulated rank
+``switch_s``, the node's CPU shared by its cores, ``wait_share`` of the
+waiting ranks, and the per-core cache shared by the ranks on a core). Every simulated rank
 has a core of its own, because time-sharing is the host scheduler's doing,
 not the algorithm's: the message schedule, which is what the simulation
 checks, is the same. A few dozen threads are cheap; for 128-1,024 ranks use
@@ -74,7 +80,7 @@ from typing import Any
 import numpy as np
 
 from .. import kernels
-from ..costmodel import AlphaBeta
+from ..costmodel import AlphaBeta, out_of_l2
 from ..errors import CollectiveMismatch, UsageError
 from .base import Request, Transport, as_bytes_view, as_writable_view
 
@@ -110,13 +116,18 @@ class SimWorld:
         self.size = size
         self.model = model
         self.scale = scale
-        #: CPU seconds per reduced and per copied byte, the cache term included.
+        #: CPU seconds per reduced and per copied byte, the node's cache term included (the per-core one, which
+        #: depends on the message, is added per operation: :meth:`l2`).
         self.gamma = model.gamma_s_per_byte + model.mem_s_per_byte * out_of_cache
         self.delta = model.delta_s_per_byte + model.mem_s_per_byte * out_of_cache
         #: The part of a copy's cost a streaming receiver can hide (its core's, not the memory's).
         self.delta_core = model.delta_s_per_byte
         self.pairs: dict[tuple[int, int], _Pair] = {}
         self._lock = threading.Lock()
+
+    def l2(self, vbytes: float) -> float:
+        """Extra CPU seconds per byte of a copy or reduction of one ``vbytes`` message: the per-core cache term."""
+        return self.model.l2_s_per_byte * out_of_l2(vbytes, self.model.l2_bytes)
 
     def pair(self, src: int, dst: int) -> _Pair:
         """The FIFO src -> dst (created on first use: n^2 pairs are not allocated up front)."""
@@ -168,8 +179,9 @@ class _RecvReq(Request):
         beta = t.world.model.beta_s_per_byte
         done = max(msg.arrival, t.ingress_free + beta * msg.vbytes)
         t.ingress_free = done
-        copy = t.world.delta * msg.vbytes
-        core = t.world.delta_core * msg.vbytes
+        l2 = t.world.l2(msg.vbytes)
+        copy = (t.world.delta + l2) * msg.vbytes
+        core = (t.world.delta_core + l2) * msg.vbytes
         overlap = max(0.0, min(core, msg.copy_start + copy - max(t.clock, msg.copy_start)))  # streamed behind the sender
         t.clock = max(t.clock + copy, done + copy - overlap)
         self._result = msg.length
@@ -200,7 +212,7 @@ class SimTransport(Transport):
         vbytes = length * self.world.scale
         m = self.world.model
         copy_start = self.clock
-        self.clock += self.world.delta * vbytes  # the copy in
+        self.clock += (self.world.delta + self.world.l2(vbytes)) * vbytes  # the copy in
         start = max(self.clock, self.egress_free)
         self.egress_free = start + m.beta_s_per_byte * vbytes
         pair = self.world.pair(self.rank, peer)
@@ -218,9 +230,15 @@ class SimTransport(Transport):
         length = len(as_writable_view(out))
         return _RecvReq(self, peer, self.world.pair(peer, self.rank), length, tag)
 
-    def charge_reduce(self, nbytes: float, copied: float = 0.0) -> None:
-        """Advance this rank's clock by the reduction of ``nbytes`` and the copy of ``copied`` real bytes (scaled)."""
-        self.clock += (self.world.gamma * nbytes + self.world.delta * copied) * self.world.scale
+    def charge_reduce(self, nbytes: float, copied: float = 0.0, operand: float | None = None) -> None:
+        """Advance this rank's clock by the reduction of ``nbytes`` and the copy of ``copied`` real bytes (scaled).
+
+        ``operand`` (real bytes, default ``nbytes``) is one incoming contribution: the message size the per-core
+        cache term goes by.
+        """
+        sc = self.world.scale
+        l2 = self.world.l2((nbytes if operand is None else operand) * sc)
+        self.clock += ((self.world.gamma + l2) * nbytes + (self.world.delta + l2) * copied) * sc
 
     def close(self) -> None:
         """Nothing to release."""
@@ -249,7 +267,7 @@ def _stub_kernels() -> Iterator[None]:
             return real_mean(rows, *args, **kw)
         arr = np.asarray(rows)
         row = arr[0].nbytes if len(arr) else 0
-        t.charge_reduce(arr.nbytes - row, copied=row)  # the star root's copy of its own input into row 0
+        t.charge_reduce(arr.nbytes - row, copied=row, operand=row)  # the star root's copy of its own input into row 0
         return kw.get("out")
 
     with _PATCH_LOCK:
