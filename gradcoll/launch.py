@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import argparse
 import os
+import random
 import signal
 import socket
 import subprocess
@@ -26,10 +27,43 @@ __all__ = ["launch", "free_port", "LaunchResult", "main"]
 
 
 def free_port(host: str = "127.0.0.1") -> int:
-    """An unused TCP port on ``host`` (the OS picks it)."""
-    with socket.socket() as s:
+    """An unused TCP port on ``host``, outside the kernel's ephemeral range where it can tell.
+
+    The port is free when returned and bound by the rendezvous a moment
+    later. One the OS picked (port 0) comes from the ephemeral range, from
+    which every outgoing connection and every other port-0 bind (an MPI
+    runtime's, say) is served too: one of them can take it in between. So a
+    random free port below that range is preferred; port 0 is the fallback.
+    """
+    lo, _ = _ephemeral_range()
+    rng = random.SystemRandom()
+    for _ in range(50):
+        port = rng.randrange(10000, lo) if lo > 10000 else 0
+        if port == 0:
+            break
+        with socket.socket(_family(host)) as s:
+            try:
+                s.bind((host, port))
+            except OSError:
+                continue
+            return port
+    with socket.socket(_family(host)) as s:
         s.bind((host, 0))
         return int(s.getsockname()[1])
+
+
+def _family(host: str) -> socket.AddressFamily:
+    return socket.AF_INET6 if ":" in host else socket.AF_INET
+
+
+def _ephemeral_range() -> tuple[int, int]:
+    """The kernel's port range for port-0 binds and outgoing connections (Linux; the IANA range elsewhere)."""
+    try:
+        with open("/proc/sys/net/ipv4/ip_local_port_range") as f:
+            lo, hi = (int(x) for x in f.read().split()[:2])
+        return lo, hi
+    except (OSError, ValueError):
+        return 49152, 65535
 
 
 class OutputSink(Protocol):

@@ -68,3 +68,17 @@ def test_children_exiting_between_polls():
     for _ in range(20):
         res = launch([sys.executable, "-c", "pass"], 4, out=io.StringIO(), timeout=30)
         assert res.ok, res
+
+
+def test_free_port_is_bindable_and_outside_the_ephemeral_range() -> None:
+    import socket
+
+    from gradcoll.launch import _ephemeral_range, free_port
+
+    lo, hi = _ephemeral_range()
+    for _ in range(20):
+        port = free_port()
+        if lo > 10000:
+            assert not lo <= port <= hi  # never one that an outgoing connection or port-0 bind could take
+        with socket.socket() as s:
+            s.bind(("127.0.0.1", port))
