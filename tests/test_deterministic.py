@@ -151,11 +151,12 @@ def test_sum_overflow_halts_every_rank() -> None:
         assert all(isinstance(e, NonFiniteError) for e in err), (algo, err)
 
 
-def test_nonfinite_halts_every_rank() -> None:
+@pytest.mark.parametrize("algo", ALGOS)
+def test_nonfinite_halts_every_rank(algo: str) -> None:
     data = contributions(3, 10, 5, seed=1)
     data[2][4] = np.inf
     bufs = [d.copy() for d in data]
-    _, err = run(3, lambda r, t: deterministic_allreduce(t, bufs[r], seq=1))
+    _, err = run(3, lambda r, t: deterministic_allreduce(t, bufs[r], algorithm=algo, seq=1))
     assert all(isinstance(e, NonFiniteError) and "rank 2" in str(e) for e in err), err
 
 
@@ -223,3 +224,32 @@ def test_same_bits_across_transports_and_processes(kind: str) -> None:
     want = allreduce_all(contributions(3, 5001, 40, seed=21), "ring")[0].tobytes()
     for rank_results in spawn_ranks(_det_rank, 3, kind, [2, 0, 1], timeout=90):
         assert rank_results == [want] * len(ALGOS)
+
+
+@pytest.mark.parametrize("algo", ALGOS)
+def test_absent_peer_is_a_timeout_naming_it(algo: str) -> None:
+    from gradcoll.errors import CollectiveTimeout
+
+    data = contributions(3, 300, 3, seed=6)
+    ts = create_world(3, timeout=10.0)
+
+    def body(r: int) -> None:
+        if r != 2:  # rank 2 never calls
+            deterministic_allreduce(ts[r], data[r].copy(), algorithm=algo, seq=3, timeout=1.0, segment_bytes=256)
+
+    _, err = gather_ranks(body, 3)
+    for e in err[:2]:
+        assert isinstance(e, CollectiveTimeout), err
+        assert 2 in e.missing and "deterministic" in str(e) and "step" in str(e) and "seq 3" in str(e), e
+    assert err[2] is None
+
+
+@pytest.mark.parametrize("algo", ALGOS)
+def test_wrong_length_on_one_rank_is_a_mismatch(algo: str) -> None:
+    from gradcoll.errors import CollectiveMismatch
+
+    data = contributions(3, 64, 3, seed=9)
+    data[1] = data[1][:60]
+    _, err = run(3, lambda r, t: deterministic_allreduce(t, data[r].copy(), algorithm=algo, seq=7, timeout=5.0))
+    assert all(isinstance(e, CollectiveMismatch) for e in err), err
+    assert all("rank 1" in str(e) for e in err), err

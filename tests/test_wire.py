@@ -196,3 +196,21 @@ def test_usage_errors() -> None:
         wire_allreduce(t, np.ones(3, np.float32), wire="bf16", op="max")
     with pytest.raises(UsageError):
         K.encode_wire(np.ones(3), wire="bf16")
+
+
+@pytest.mark.parametrize("algo", ALGOS)
+def test_absent_peer_is_a_timeout_naming_it(algo: str) -> None:
+    from gradcoll.errors import CollectiveTimeout
+
+    ts = create_world(3, timeout=10.0)
+    data = [np.full(300, r + 1.0, np.float32) for r in range(3)]
+
+    def body(r: int) -> None:
+        if r != 2:  # rank 2 never calls
+            wire_allreduce(ts[r], data[r], wire="bf16", algorithm=algo, seq=4, timeout=1.0)
+
+    _, err = gather_ranks(body, 3)
+    for e in err[:2]:
+        assert isinstance(e, CollectiveTimeout), err
+        assert 2 in e.missing and "bf16 wire" in str(e) and "step" in str(e) and "seq 4" in str(e), e
+    assert err[2] is None

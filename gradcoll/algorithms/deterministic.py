@@ -32,7 +32,7 @@ Schedules (``algorithm``), each with the bytes of its ordinary counterpart:
   phase: the ring's bytes, in two steps of latency instead of ``2(n-1)``.
 * ``star``: rank 0 receives every raw buffer, reduces, sends the result.
 * ``recursive_doubling``: a recursive-doubling allgather of the raw buffers
-  (:mod:`._rdgather`: ``log2 p`` rounds, doubling blocks; a
+  (:mod:`._gather`: ``log2 p`` rounds, doubling blocks; a
   non-power-of-two rank folds its buffer into a partner first and gets the
   result back last), then every rank reduces all ``n`` rows itself. ``n``
   times the buffer in scratch: a schedule for small buffers.
@@ -55,8 +55,8 @@ from ..transport._frame import LENIENT_TAG
 from ..transport.base import Transport
 from . import ALLREDUCE
 from ._common import Coll, Workspace, chunk_bounds, scratch, segment_bounds
+from ._gather import rd_allgather, rd_result, rd_steps, sits_out, star_gather, star_reply
 from ._guard import guarded_allreduce
-from ._rdgather import rd_allgather, rd_result, rd_steps, sits_out
 from .ring import SEGMENT_BYTES
 
 __all__ = ["deterministic_allreduce", "exact_reduce", "fraction_bits"]
@@ -176,28 +176,20 @@ def _ring(coll: Coll, flat: np.ndarray, divisor: float, check: bool, ws: Workspa
 def _star(coll: Coll, flat: np.ndarray, divisor: float, check: bool, ws: Workspace | None,
           backend: str | None, segment_bytes: int) -> None:
     n = coll.size
-    up, down = coll.tag0 + _UP, coll.tag0 + _DOWN
-    coll.begin(2)
-    coll.step = 1
-    if coll.rank != 0:
-        r = coll.irecv(0, flat, down)  # rank 0 replies only after it has read ``up`` whole
-        coll.send(0, flat, up)
-        coll.step = 2
-        coll.wait(r, 0)
+    got = star_gather(coll, flat, lambda: scratch(ws, "det_rows", (n - 1, flat.size), flat.dtype), coll.tag0 + _UP,
+                      coll.tag0 + _DOWN)
+    if got is None:
         return
-    rows = scratch(ws, "det_rows", (n - 1, flat.size), flat.dtype)
-    reqs = [coll.irecv(p, rows[p - 1], up) for p in range(1, n)]
+    rows, reqs = got
     for p in range(1, n):
         coll.wait(reqs[p - 1], p)
     _reduce(flat, rows, flat, divisor, check, backend)
-    coll.step = 2
-    for req, p in [(coll.isend(p, flat, down), p) for p in range(1, n)]:
-        coll.wait(req, p)
+    star_reply(coll, flat, coll.tag0 + _DOWN)
 
 
 def _rd(coll: Coll, flat: np.ndarray, divisor: float, check: bool, ws: Workspace | None,
         backend: str | None, segment_bytes: int) -> None:
-    """Recursive-doubling allgather of the raw buffers (:mod:`._rdgather`), then a local exact reduce."""
+    """Recursive-doubling allgather of the raw buffers (:mod:`._gather`), then a local exact reduce."""
     n = coll.size
     coll.begin(rd_steps(n))
     rows = None if sits_out(n, coll.rank) else scratch(ws, "det_all", (n, flat.size), flat.dtype)

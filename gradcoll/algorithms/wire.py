@@ -17,7 +17,7 @@ is bitwise identical everywhere. Schedules (``algorithm``):
 * ``star``: rank 0 adds the encoded rows in rank order and sends the
   encoded result back.
 * ``recursive_doubling``: a recursive-doubling allgather of the encoded
-  buffers (:mod:`._rdgather`, ``log2 p`` rounds), then every rank adds all
+  buffers (:mod:`._gather`, ``log2 p`` rounds), then every rank adds all
   ``n`` rows in rank order: every contribution rounded once, as in the ring
   and the star, so the error bound is theirs, and the same bits everywhere.
 
@@ -35,9 +35,9 @@ from ..errors import NonFiniteError, UsageError
 from ..transport._frame import LENIENT_TAG
 from ..transport.base import Transport
 from ._common import Coll, Workspace, chunk_bounds, scratch
+from ._gather import rd_allgather, rd_result, rd_steps, sits_out, star_gather, star_reply
 from ._guard import ERRORS, begin, fail
 from ._handshake import NONFINITE
-from ._rdgather import rd_allgather, rd_result, rd_steps, sits_out
 
 __all__ = ["wire_allreduce", "wire_of"]
 
@@ -184,17 +184,11 @@ def _ring(coll: Coll, own: np.ndarray, enc: np.ndarray, fmt: str, divide: int | 
 def _star(coll: Coll, own: np.ndarray, enc: np.ndarray, fmt: str, divide: int | None, check: bool,
           ws: Workspace | None, backend: str | None) -> None:
     n = coll.size
-    up, down = coll.tag0 + _UP, coll.tag0 + _DOWN
-    coll.begin(2)
-    coll.step = 1
-    if coll.rank != 0:
-        r = coll.irecv(0, enc, down)  # rank 0 replies only after reading ``up``
-        coll.send(0, enc, up)
-        coll.step = 2
-        coll.wait(r, 0)
+    got = star_gather(coll, enc, lambda: scratch(ws, "wire_rows", (n - 1, own.size), np.uint16), coll.tag0 + _UP,
+                      coll.tag0 + _DOWN)
+    if got is None:
         return
-    rows = scratch(ws, "wire_rows", (n - 1, own.size), np.uint16)
-    reqs = [coll.irecv(p, rows[p - 1], up) for p in range(1, n)]
+    rows, reqs = got
     for p in range(1, n):  # rank order: the same sum on every run
         coll.wait(reqs[p - 1], p)
         if own.size:
@@ -202,9 +196,7 @@ def _star(coll: Coll, own: np.ndarray, enc: np.ndarray, fmt: str, divide: int | 
                 _accumulate(own, rows[p - 1], fmt, None, check, backend)
             else:
                 _finish(own, enc, rows[p - 1], fmt, divide, check, backend)
-    coll.step = 2
-    for req, p in [(coll.isend(p, enc, down), p) for p in range(1, n)]:
-        coll.wait(req, p)
+    star_reply(coll, enc, coll.tag0 + _DOWN)
 
 
 def _rd(coll: Coll, own: np.ndarray, enc: np.ndarray, fmt: str, divide: int | None, check: bool,

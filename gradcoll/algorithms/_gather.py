@@ -1,10 +1,12 @@
-"""Recursive-doubling allgather of whole buffers, for the reductions that must see every raw contribution.
+"""Whole-buffer gathers for the reductions that must see every raw contribution.
 
 The deterministic allreduce and the low-precision wire allreduce reduce
 each element in one place from all ``n`` contributions (so the result does
-not depend on how partial sums were grouped). Their ``recursive_doubling``
-schedule is therefore an allgather of the inputs in ``log2 p`` rounds
-(``p`` the largest power of two <= ``n``) followed by a local reduction:
+not depend on how partial sums were grouped). Their ``star`` schedule
+gathers the inputs on rank 0 and sends the result back (:func:`star_gather`,
+:func:`star_reply`). Their ``recursive_doubling`` schedule is an allgather
+of the inputs in ``log2 p`` rounds (``p`` the largest power of two <= ``n``)
+followed by a local reduction:
 
 * virtual rank ``v`` holds real ranks ``2v, 2v+1`` for ``v < r = n - p``
   (the even one folds its buffer into the odd one first) and ``v + r``
@@ -21,11 +23,40 @@ recursive doubling of partial sums: the latency schedule for small buffers.
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 import numpy as np
 
+from ..transport.base import Request
 from ._common import Coll
 
-__all__ = ["rd_steps", "sits_out", "rd_allgather", "rd_result"]
+__all__ = ["star_gather", "star_reply", "rd_steps", "sits_out", "rd_allgather", "rd_result"]
+
+
+def star_gather(coll: Coll, mine: np.ndarray, make_rows: Callable[[], np.ndarray], up: int,
+                down: int) -> tuple[np.ndarray, list[Request]] | None:
+    """Step 1 of the star (2 steps). Rank 0: receives of every other rank's ``mine``
+    into ``make_rows()[p - 1]``, returned with their requests (wait for them in rank
+    order, then :func:`star_reply`). Any other rank: sends ``mine``, receives the
+    result into it, returns None.
+    """
+    coll.begin(2)
+    coll.step = 1
+    if coll.rank != 0:
+        r = coll.irecv(0, mine, down)  # rank 0 replies only after it has read ``up`` whole
+        coll.send(0, mine, up)
+        coll.step = 2
+        coll.wait(r, 0)
+        return None
+    rows = make_rows()
+    return rows, [coll.irecv(p, rows[p - 1], up) for p in range(1, coll.size)]
+
+
+def star_reply(coll: Coll, result: np.ndarray, down: int) -> None:
+    """Step 2 of the star on rank 0: ``result`` to every other rank."""
+    coll.step = 2
+    for req, p in [(coll.isend(p, result, down), p) for p in range(1, coll.size)]:
+        coll.wait(req, p)
 
 
 def _shape(n: int) -> tuple[int, int, int]:
