@@ -1,6 +1,6 @@
 """An alpha-beta-gamma cost model of the allreduce algorithms (docs/scaling.md).
 
-A transport is described by :class:`AlphaBeta`:
+A transport is described by ``AlphaBeta``:
 
 * ``alpha_s``: fixed cost of one message on the critical path (latency plus
   per-message software overhead), seconds;
@@ -23,7 +23,7 @@ A transport is described by :class:`AlphaBeta`:
 * ``l2_s_per_byte`` and ``l2_bytes``: the same for a core's own cache
   (level 2), whose working set is one message: a copy or reduction of a
   message of ``m`` bytes pays ``l2`` on the fraction
-  ``max(0, 1 - l2_bytes / (4 m x))`` (:func:`out_of_l2`): the core touches
+  ``max(0, 1 - l2_bytes / (4 m x))`` (``out_of_l2``): the core touches
   the message in the user buffer and in the transport's (socket buffer, shm
   segment), for the message it sends and the one it receives, and ``x``
   ranks time-sharing the core (``max(1, ranks / cores)``) share its cache.
@@ -37,12 +37,12 @@ A transport is described by :class:`AlphaBeta`:
   critical rank works while others wait (the star's root), not where every
   rank works at once (the node's shared CPU already counts those).
 
-The node is an explicit input (:class:`Node`: ranks on one node and the
+The node is an explicit input (``Node``: ranks on one node and the
 cores they share); the default, ``node=None``, gives every rank a core of its
 own (and the cache to itself), which is what the 8-1,024-rank cluster
 predictions assume.
 
-:func:`work` gives, for one algorithm, world size and buffer size ``S``, the
+``work`` gives, for one algorithm, world size and buffer size ``S``, the
 messages, link bytes, reduced bytes and copied bytes on the critical path,
 and the mean copied and reduced bytes of the other ranks:
 
@@ -52,7 +52,7 @@ ring and ``S`` for the star and recursive doubling (``Work.message``).
 * ``ring``: ``2 (n-1)`` steps of ``S/n`` bytes, ``n-1`` of them followed by
   the reduction of ``S/n``; every step copies ``S/n`` in and ``S/n`` out.
   The model treats each step as one message (it ignores the segment
-  pipelining of :mod:`gradcoll.algorithms.ring`, which can hide part of the
+  pipelining of ``gradcoll.algorithms.ring``, which can hide part of the
   reduction behind the next transfer when the link, not the CPU, moves the
   bytes).
 * ``star``: rank 0 receives ``(n-1) S`` through its ingress, adds ``(n-1) S``
@@ -61,7 +61,7 @@ ring and ``S`` for the star and recursive doubling (``Work.message``).
   rows). The first sender's copy in and the last receiver's copy out are not
   on it: the transports stream a message, and a receiver that is only
   waiting copies out behind the sender's copy in (see
-  :mod:`gradcoll.transport.sim`). They still load the node's memory, so
+  ``gradcoll.transport.sim``). They still load the node's memory, so
   the cache term counts them (``streamed``, ``2 S``).
 * ``recursive_doubling``: ``log2 p`` exchanges of ``S`` bytes (``S`` copied
   in and ``S`` out: both ends copy their own message in, then the other's
@@ -70,22 +70,22 @@ ring and ``S`` for the star and recursive doubling (``Work.message``).
   and an unfold (``S``) more, each copied once on the critical path (the
   receiving end waits idle and streams; ``streamed`` ``2 S``).
 
-:func:`predict` adds ``alpha m + switch m x + beta b + cpu``, where ``cpu`` is
+``predict`` adds ``alpha m + switch m x + beta b + cpu``, where ``cpu`` is
 the critical rank's CPU work ``gamma r + delta k`` (plus the node's cache
 term, on ``r + k`` and the streamed copies, and the per-core one, on
 ``r + k``) plus ``wait_share x min(that, wait_busy_s)``, or,
 when the node's ranks outnumber its cores, the node's CPU work shared by
 its cores if that is more (``x = max(0, ranks / cores - 1)``).
 
-:func:`fit` estimates the parameters from ``gradcoll bench --json`` rows of
+``fit`` estimates the parameters from ``gradcoll bench --json`` rows of
 several algorithms and sizes by least squares (relative residuals, so small
 and large sizes weigh alike; a parameter that comes out negative is dropped
-and the rest refitted; parameters can be held fixed). :func:`crossovers`
-lists the sizes where the fastest algorithm changes; :func:`stored_models`
+and the rest refitted; parameters can be held fixed). ``crossovers``
+lists the sizes where the fastest algorithm changes; ``stored_models``
 reads the models fitted to this project's measurements
 (``costmodel_fitted.json``, written by ``benches/fit_costmodel.py``), from
 which ``algorithm="auto"`` takes its thresholds. The simulated transport
-:mod:`gradcoll.transport.sim` runs the real algorithm code against the same
+``gradcoll.transport.sim`` runs the real algorithm code against the same
 model (one core per rank, so without ``switch``, the shared CPU and
 ``wait_share``); its virtual times equal these closed forms.
 """
@@ -110,7 +110,7 @@ __all__ = ["AlphaBeta", "Node", "Work", "ALGORITHMS", "PARAMETERS", "terms", "wo
 #: The algorithms the model covers.
 ALGORITHMS = ("ring", "star", "recursive_doubling")
 
-#: The linear parameters :func:`fit` can estimate, in this order.
+#: The linear parameters ``fit`` can estimate, in this order.
 PARAMETERS = ("alpha_s", "switch_s", "beta_s_per_byte", "gamma_s_per_byte", "delta_s_per_byte", "mem_s_per_byte",
               "l2_s_per_byte", "wait_share")
 
@@ -169,7 +169,7 @@ class Node:
 
 
 class Work(NamedTuple):
-    """Critical-path terms of one allreduce (see :func:`work`)."""
+    """Critical-path terms of one allreduce (see ``work``)."""
 
     messages: float
     link_bytes: float
@@ -184,7 +184,7 @@ class Work(NamedTuple):
 def out_of_l2(message: float, l2_bytes: float, ranks_per_core: float = 1.0) -> float:
     """The fraction of a copy or reduction of ``message`` bytes that misses a per-core cache of ``l2_bytes``.
 
-    The core's working set is :data:`L2_COPIES` times the message (times the
+    The core's working set is ``L2_COPIES`` times the message (times the
     ranks that time-share the core).
     """
     ws = L2_COPIES * message * max(1.0, ranks_per_core)
@@ -229,7 +229,7 @@ def terms(algorithm: str, n: int, nbytes: float) -> tuple[float, float, float]:
 
 
 def _columns(algorithm: str, n: int, nbytes: float, node: Node | None, model: AlphaBeta | None) -> np.ndarray:
-    """The coefficients of :data:`PARAMETERS` in the predicted time (the CPU branch chosen with ``model``)."""
+    """The coefficients of ``PARAMETERS`` in the predicted time (the CPU branch chosen with ``model``)."""
     w = work(algorithm, n, nbytes)
     ranks, cores = (1, 1.0) if node is None else (min(node.ranks, n), node.cores)
     cache = 0.0 if model is None else model.cache_bytes
@@ -284,9 +284,9 @@ def fit(rows: Iterable[Mapping[str, Any]], *, time_key: str = "time_avg_us",
         params: Sequence[str] = ("alpha_s", "beta_s_per_byte", "gamma_s_per_byte"),
         fixed: Mapping[str, float] | None = None, cache_bytes: float = 0.0, l2_bytes: float = 0.0,
         wait_busy_s: float = 0.0) -> AlphaBeta:
-    """Least-squares fit of the ``params`` (of :data:`PARAMETERS`) to ``gradcoll bench --json`` rows.
+    """Least-squares fit of the ``params`` (of ``PARAMETERS``) to ``gradcoll bench --json`` rows.
 
-    Each row needs ``algorithm`` (one of :data:`ALGORITHMS`), ``ranks``,
+    Each row needs ``algorithm`` (one of ``ALGORITHMS``), ``ranks``,
     ``size`` and ``time_key`` (microseconds); a row with ``cores`` was
     measured with all its ranks on one node of that many cores. Residuals are
     relative to the measured time. ``fixed`` holds parameters at given values

@@ -1,7 +1,7 @@
 """The gradcoll exception taxonomy.
 
-One base, :class:`GradcollError`. Misuse by the caller is also a
-:class:`ValueError` (or :class:`TypeError`); everything a peer or the
+One base, [`GradcollError`][gradcoll.errors.GradcollError]. Misuse by the caller is also a
+``ValueError`` (or ``TypeError``); everything a peer or the
 environment does to us has its own class, so a handler can tell "I called it
 wrong" from "a peer broke the protocol" from "a peer went away".
 """

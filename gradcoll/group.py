@@ -1,11 +1,11 @@
 """ProcessGroup: the collectives of one group of ranks, over one transport.
 
-A :class:`ProcessGroup` is an explicit object (there is no default group).
+A [`ProcessGroup`][gradcoll.group.ProcessGroup] is an explicit object (there is no default group).
 It numbers every collective (``seq``, the same on every rank when every rank
 makes the same calls), picks an algorithm, runs it on the caller's buffer in
 place, and returns the buffer.
 
-``async_op=True`` returns a :class:`Work` at once; the collective runs on
+``async_op=True`` returns a [`Work`][gradcoll.group.Work] at once; the collective runs on
 the group's one background thread, in submission order, so communication
 overlaps the caller's compute. A synchronous call made while asynchronous
 work is queued waits its turn behind it, which keeps the order of
@@ -13,13 +13,13 @@ collectives the same on every rank. A group is meant to be driven by one
 thread (like a CUDA stream); ``Work`` handles may be waited on from any.
 
 Failure is sticky: a collective that raises poisons the group, and every
-later call raises :class:`~gradcoll.errors.GroupPoisoned` chained to the
+later call raises [`GroupPoisoned`][gradcoll.errors.GroupPoisoned] chained to the
 original error. Misuse caught before anything is sent (a wrong dtype, an
-unknown op) raises :class:`~gradcoll.errors.UsageError` and does not.
+unknown op) raises [`UsageError`][gradcoll.errors.UsageError] and does not.
 
 ``algorithm="auto"`` runs what the cost model fitted to this project's
 measurements predicts fastest for the message size, the world size and the
-transport (:func:`gradcoll.algorithms.select_allreduce`; the thresholds and
+transport ([`gradcoll.algorithms.select_allreduce`][gradcoll.algorithms.select_allreduce]; the thresholds and
 how they are derived are in docs/scaling.md).
 """
 
@@ -78,7 +78,7 @@ class Work:
         return self._result
 
     def result(self, timeout: float | None = None) -> Any:
-        """The collective's result (the caller's buffer), waiting as :meth:`wait` does."""
+        """The collective's result (the caller's buffer), waiting as [`wait`][gradcoll.group.Work.wait] does."""
         return self.wait(timeout)
 
     def exception(self) -> BaseException | None:
@@ -94,7 +94,7 @@ def _writable(buf: Any, *, reduce: bool, what: str = "buf") -> tuple[np.ndarray,
     """A C-contiguous array to run on, and a function that copies the result back into ``buf``.
 
     NumPy arrays that are strided views are copied and written back (documented);
-    every other object goes through :func:`gradcoll.buffers.as_buffer`, which views
+    every other object goes through [`gradcoll.buffers.as_buffer`][gradcoll.buffers.as_buffer], which views
     it without a copy or refuses it with an error naming it.
     """
     if not isinstance(buf, np.ndarray):
@@ -124,16 +124,22 @@ class ProcessGroup:
     ``timeout`` (seconds, default the transport's) bounds every wait for a
     peer; ``segment_bytes`` is the ring's pipeline segment; ``kernel_backend``
     pins the reduction kernels (``"cython"``, ``"numba"``, ``"numpy"``; None
-    lets :mod:`gradcoll.kernels` choose).
+    lets [`gradcoll.kernels`][gradcoll.kernels] choose).
 
     ``stall_warning_s`` (default 10 s; None turns it off): a collective that
     has run this long logs, on logger ``"gradcoll"``, which ranks have arrived
-    and which have not, and keeps waiting (:mod:`gradcoll.diagnosis`).
+    and which have not, and keeps waiting (``gradcoll.diagnosis``).
     ``trace``: record a Chrome trace from the start and write it at
-    :meth:`close` (each rank to its own file, see :func:`gradcoll.trace.trace_path`).
-    ``stats_window``: how many recent records :meth:`stats` keeps. ``control``
-    is the control channel :func:`~gradcoll.rendezvous.init_process_group`
-    sets up (stall reports from peers, :meth:`shrink`).
+    [`close`][gradcoll.group.ProcessGroup.close] (each rank to its own file, see [`gradcoll.trace.trace_path`][gradcoll.trace.trace_path]).
+    ``stats_window``: how many recent records [`stats`][gradcoll.group.ProcessGroup.stats] keeps. ``control``
+    is the control channel [`init_process_group`][gradcoll.rendezvous.init_process_group]
+    sets up (stall reports from peers, [`shrink`][gradcoll.group.ProcessGroup.shrink]).
+
+    Attributes:
+        rank (int): This process's rank in the group, ``0 .. size - 1``.
+        size (int): The number of ranks in the group.
+        world_size (int): The same number as ``size``, under the name that
+            ``init_process_group(world_size=...)`` and ``torch.distributed`` use.
     """
 
     def __init__(self, transport: Transport, *, timeout: float | None = None,
@@ -288,7 +294,7 @@ class ProcessGroup:
 
     def _precise_allreduce(self, buf: Any, op: str, algorithm: str, check_finite: bool, async_op: bool,
                            timeout: float | None, wire: str | None, deterministic: bool) -> Any:
-        """The low-precision wire path or the bitwise-reproducible path (see :meth:`allreduce`)."""
+        """The low-precision wire path or the bitwise-reproducible path (see [`allreduce`][gradcoll.group.ProcessGroup.allreduce])."""
         from .algorithms.deterministic import deterministic_allreduce
         from .algorithms.wire import wire_allreduce, wire_of
 
@@ -455,7 +461,7 @@ class ProcessGroup:
         return self._diag.rec.stats()
 
     def start_trace(self) -> None:
-        """Start recording a Chrome trace of this rank's collectives (see :mod:`gradcoll.trace`)."""
+        """Start recording a Chrome trace of this rank's collectives (see [`gradcoll.trace`][gradcoll.trace])."""
         self._diag.rec.start_trace()
 
     def stop_trace(self, path: str) -> str | None:
@@ -468,7 +474,7 @@ class ProcessGroup:
         Every survivor must call it. This group is closed; the new one has the
         survivors renumbered in old rank order and sequence numbers from 0.
         Raises ShrinkFailed when no agreement is reached within ``timeout``
-        (default the group's) or this rank was left out. See :mod:`gradcoll.shrink`.
+        (default the group's) or this rank was left out. See [`gradcoll.shrink`][gradcoll.shrink].
         """
         from .shrink import shrink
 

@@ -11,11 +11,11 @@ Backends: ``numpy`` (reference), ``numba`` (threads for large buffers),
 picks the fastest for the buffer; ``GRADCOLL_KERNELS`` overrides it.
 
 Non-contiguous *inputs* are copied to contiguous memory first (an extra pass);
-``out`` and the in-place buffers of :func:`accumulate`, :func:`scale` must be
+``out`` and the in-place buffers of [`accumulate`][gradcoll.kernels.accumulate], [`scale`][gradcoll.kernels.scale] must be
 C-contiguous. float16 inputs are accumulated in float32.
 
-The wire kernels (:func:`encode_wire`, :func:`decode_wire`,
-:func:`accumulate_wire`) convert float32 to and from ``bf16``/``fp16`` bit
+The wire kernels ([`encode_wire`][gradcoll.kernels.encode_wire], [`decode_wire`][gradcoll.kernels.decode_wire],
+[`accumulate_wire`][gradcoll.kernels.accumulate_wire]) convert float32 to and from ``bf16``/``fp16`` bit
 patterns held in uint16 arrays and fuse the widening into the float32
 accumulation and the finite check (numba, NumPy reference, CUDA).
 """
@@ -143,7 +143,7 @@ def mean_reduce(
     """Element-wise mean (or sum, ``op="sum"``) of several equal-shape arrays in one pass.
 
     ``inputs`` is a sequence of arrays or one array whose first axis indexes
-    the contributors. Raises :class:`NonFiniteError` (naming the contributor,
+    the contributors. Raises [`NonFiniteError`][gradcoll.errors.NonFiniteError] (naming the contributor,
     element index and value) if any input holds NaN/Inf or the sum overflows.
     Inputs are never modified; ``out`` is unspecified after an error.
     """
@@ -191,7 +191,7 @@ def accumulate(
     """In place ``acc += x``, then ``acc /= divide_by`` and/or ``acc *= scale``, with the finite check.
 
     This is the step a ring allreduce runs on every received chunk. Raises
-    :class:`NonFiniteError` (contributor 0 = ``acc``, 1 = ``x``) on NaN/Inf.
+    [`NonFiniteError`][gradcoll.errors.NonFiniteError] (contributor 0 = ``acc``, 1 = ``x``) on NaN/Inf.
     """
     if backend == "cython" or (backend is None and not env_override_set()):
         fast = _fast_paths()
@@ -221,7 +221,7 @@ def accumulate(
 
 
 def _explain_accumulate(acc: np.ndarray, x: np.ndarray) -> None:
-    """Error path of :func:`accumulate`: raise NonFiniteError naming the culprit.
+    """Error path of [`accumulate`][gradcoll.kernels.accumulate]: raise NonFiniteError naming the culprit.
 
     NaN/Inf in ``x`` survives into ``acc``, so ``x`` is looked at first;
     otherwise ``acc`` was already non-finite or the sum overflowed.
@@ -248,7 +248,7 @@ def _first_bad(a: np.ndarray) -> int:
 
 
 def check_finite(buf: Any, *, backend: str | None = None) -> None:
-    """Raise :class:`NonFiniteError` naming the first NaN/Inf element of ``buf``."""
+    """Raise [`NonFiniteError`][gradcoll.errors.NonFiniteError] naming the first NaN/Inf element of ``buf``."""
     if _is_device(buf):
         be = choose_backend(0, device=True, backend=backend)
         be.check_finite_device(buf)
@@ -289,7 +289,7 @@ def warmup(backends: Sequence[str] | None = None) -> list[str]:
 
 
 # -- low-precision wire (bf16 / fp16 transfer, float32 accumulation) -----------------
-#: Wire formats of :func:`encode_wire` / :func:`accumulate_wire`.
+#: Wire formats of ``encode_wire`` / ``accumulate_wire``.
 WIRE_DTYPES = ("bf16", "fp16")
 
 
@@ -344,7 +344,7 @@ def encode_wire(src: Any, dst: Any = None, wire: str = "bf16", *, check_finite: 
                 backend: str | None = None) -> Any:
     """Round float32 ``src`` to ``wire`` (nearest even) into uint16 ``dst`` in one pass; returns ``dst``.
 
-    Raises :class:`NonFiniteError` if an encoded value is Inf/NaN, including
+    Raises [`NonFiniteError`][gradcoll.errors.NonFiniteError] if an encoded value is Inf/NaN, including
     a finite float32 that overflows the wire format (never sent as Inf).
     """
     _check_wire(wire)

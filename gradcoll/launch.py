@@ -67,7 +67,7 @@ def _ephemeral_range() -> tuple[int, int]:
 
 
 class OutputSink(Protocol):
-    """Where :func:`launch` writes the ranks' output: any text stream with ``write`` and ``flush``."""
+    """Where [`launch`][gradcoll.launch.launch] writes the ranks' output: any text stream with ``write`` and ``flush``."""
 
     def write(self, s: str, /) -> int: ...
 

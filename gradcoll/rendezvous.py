@@ -1,8 +1,8 @@
 """init_process_group: find the other ranks, connect a transport, return a ProcessGroup.
 
 Rendezvous goes through a store that is used for bootstrap only: rank 0
-hosts a :class:`~gradcoll.store.TCPStore` (``env://``, ``tcp://``) or every
-rank opens the same :class:`~gradcoll.store.FileStore` (``file://``); the
+hosts a [`TCPStore`][gradcoll.store.TCPStore] (``env://``, ``tcp://``) or every
+rank opens the same [`FileStore`][gradcoll.store.FileStore] (``file://``); the
 transport backend publishes whatever it needs there (addresses, segment
 names); then all ranks meet once more in the store and close it (rank 0's
 server waits for the others to disconnect first). Nothing global is
@@ -154,7 +154,7 @@ def init_process_group(
     ``stall_warning_s`` and ``trace`` go to the ProcessGroup (stall warnings,
     Chrome trace path). The group also gets a control channel (a UDP socket
     per rank on the tcp ``host`` option, default 127.0.0.1) for stall reports
-    and ``shrink()``; see :mod:`gradcoll.diagnosis`.
+    and ``shrink()``; see ``gradcoll.diagnosis``.
     Raises BackendUnavailable if that module is missing, UsageError for a
     missing rank/size or a bad init_method, CollectiveTimeout if the others
     do not show up within ``timeout`` seconds.

@@ -3,7 +3,7 @@
 After a rank dies (its peers' collectives fail and poison the group), every
 survivor calls ``group.shrink()``. The old transport is closed at once, so a
 survivor still waiting on this rank fails fast and joins too. Then, over the
-group's control channel (:mod:`gradcoll.diagnosis`, UDP, addresses learned
+group's control channel (``gradcoll.diagnosis``, UDP, addresses learned
 at bootstrap; the bootstrap store is gone by now):
 
 1. **Join.** Every survivor sends ``JOIN`` to every old peer every 100 ms and
@@ -14,13 +14,13 @@ at bootstrap; the bootstrap store is gone by now):
 2. **Decide.** The lowest rank that joined is the leader. Once every old rank
    has joined or is dead (or the timeout has passed) it fixes the members
    (the joined ranks, in old rank order), starts a fresh
-   :class:`~gradcoll.store.TCPStore` on its control host, and sends
+   [`TCPStore`][gradcoll.store.TCPStore] on its control host, and sends
    ``DECIDE`` (members, store address) to each member until it is
    acknowledged. A rank takes the first decision it receives; a rank left
-   out of it (it joined too late) raises :class:`~gradcoll.errors.ShrinkFailed`.
+   out of it (it joined too late) raises [`ShrinkFailed`][gradcoll.errors.ShrinkFailed].
 3. **Rebuild.** Members renumber in old rank order, connect a new transport
    of the same backend and options through the leader's store, open a new
-   control channel, and return a new :class:`~gradcoll.group.ProcessGroup`
+   control channel, and return a new [`ProcessGroup`][gradcoll.group.ProcessGroup]
    with the old group's settings and sequence numbers from 0.
 
 Limits: backends ``tcp``, ``shm`` and ``inproc`` (not ``mpi``); every

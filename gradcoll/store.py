@@ -3,14 +3,14 @@
 Like torch.distributed's ``Store``: ``set``/``get``/``add``/``wait``/
 ``delete``. Transports exchange addresses, segment names and the like
 through a store before any collective runs. Every blocking call takes a
-timeout in seconds and raises :class:`~gradcoll.errors.CollectiveTimeout`.
+timeout in seconds and raises [`CollectiveTimeout`][gradcoll.errors.CollectiveTimeout].
 
-* :class:`HashStore`: threads of one process.
-* :class:`TCPStore`: a small key-value server (run by rank 0, bound to
+* [`HashStore`][gradcoll.store.HashStore]: threads of one process.
+* [`TCPStore`][gradcoll.store.TCPStore]: a small key-value server (run by rank 0, bound to
   127.0.0.1 unless told otherwise) and its clients. Requests and responses
   are length-prefixed frames (below); the server answers a malformed or
   oversized request with an error and drops the connection.
-* :class:`FileStore`: processes that share a file system; an append-only
+* [`FileStore`][gradcoll.store.FileStore]: processes that share a file system; an append-only
   log guarded by ``flock``.
 
 TCPStore wire format: a frame is ``u32 big-endian length`` + payload.

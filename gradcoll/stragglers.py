@@ -1,11 +1,11 @@
 """``gradcoll stragglers TRACE.json [...]``: which ranks made the others wait.
 
-Reads Chrome traces written by :class:`~gradcoll.group.ProcessGroup`
-(per-rank files or one merged file, see :mod:`gradcoll.trace`) and matches
+Reads Chrome traces written by [`ProcessGroup`][gradcoll.group.ProcessGroup]
+(per-rank files or one merged file, see [`gradcoll.trace`][gradcoll.trace]) and matches
 the events of one collective across ranks by sequence number (and world
 size, so the groups before and after a ``shrink()`` stay apart). In every
 collective the rank that arrived last held up every other: each other rank
-``r`` waited ``arrival(last) - arrival(r)`` for it. :func:`rank_stragglers`
+``r`` waited ``arrival(last) - arrival(r)`` for it. [`rank_stragglers`][gradcoll.stragglers.rank_stragglers]
 charges that whole wait to the last arriver and ranks the ranks by it.
 Arrival times are wall-clock, so ranks on different hosts compare only as
 well as their clocks agree.

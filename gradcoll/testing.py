@@ -1,11 +1,11 @@
-"""Test helpers, above all :func:`check_transport`: the suite every transport passes.
+"""Test helpers, above all ``check_transport``: the suite every transport passes.
 
 Each check is a small per-rank program ``program(transport, ctx)``. The same
-programs run with ranks as threads (:func:`run_check` over a ``make_group``
-factory, e.g. :func:`threaded_group` or the in-process transport's), or one
-rank per process (:func:`run_spmd`, e.g. under ``mpirun``). Process checks
-(:data:`PROCESS_CHECKS`) kill a real peer process and need the transport's
-``create`` function; they bootstrap through a :class:`~gradcoll.store.FileStore`.
+programs run with ranks as threads (``run_check`` over a ``make_group``
+factory, e.g. ``threaded_group`` or the in-process transport's), or one
+rank per process (``run_spmd``, e.g. under ``mpirun``). Process checks
+(``PROCESS_CHECKS``) kill a real peer process and need the transport's
+``create`` function; they bootstrap through a [`FileStore`][gradcoll.store.FileStore].
 
 The suite covers ordering, tags, zero-length and large messages, full-duplex
 ``sendrecv`` (pair and ring), tag/length mismatches, timeouts, orderly close
@@ -102,7 +102,7 @@ def run_ranks(fns: Sequence[Callable[[Any], Any]], args: Sequence[Any], *, timeo
 def gather_ranks(fn: Callable[[int], Any], n: int, *, join_timeout: float = 60.0) -> tuple[list[Any], list[BaseException | None]]:
     """Run ``fn(rank)`` on ``n`` threads; return every rank's result and exception (None where it returned).
 
-    Unlike :func:`run_ranks` it never raises a rank's error: tests that expect
+    Unlike ``run_ranks`` it never raises a rank's error: tests that expect
     every rank to fail in a given way inspect the list. It asserts that no rank
     is still running after ``join_timeout`` seconds (a hang).
     """

@@ -2,20 +2,20 @@
 
 Two ways to average ``.grad`` across ranks after ``loss.backward()``:
 
-* :func:`sync_gradients` -- one call after ``backward()``: parameters are
+* ``sync_gradients`` -- one call after ``backward()``: parameters are
   packed into buckets of about ``bucket_mb`` MiB, one fused, finite-checked
   allreduce per bucket.
-* :class:`GradientSynchronizer` -- hooks fire as each parameter's gradient is
+* ``GradientSynchronizer`` -- hooks fire as each parameter's gradient is
   accumulated, and a bucket's asynchronous allreduce starts as soon as the
   bucket is complete, overlapping the rest of ``backward()`` (like
-  DistributedDataParallel). Call :meth:`GradientSynchronizer.wait` before
+  DistributedDataParallel). Call ``GradientSynchronizer.wait`` before
   ``optimizer.step()``.
 
 Buckets follow the reverse order of ``model.parameters()`` (the order in which
 backward produces gradients) and are identical on every rank. A parameter
 without a gradient on this rank contributes zeros, so unused parameters and
 ranks that skip a branch still agree on the layout. A NaN or Inf in any
-rank's gradient raises :class:`gradcoll.NonFiniteError` on every rank, naming
+rank's gradient raises [`gradcoll.NonFiniteError`][gradcoll.errors.NonFiniteError] on every rank, naming
 the rank and the parameter. CPU tensors are used without copies into the
 reduction (their memory is viewed as NumPy arrays); the bucket copy is the
 one fusion copy that DDP makes too.

@@ -1,6 +1,6 @@
 """Per-collective records, ``ProcessGroup.stats()`` and Chrome traces.
 
-Every collective a :class:`~gradcoll.group.ProcessGroup` runs leaves one
+Every collective a [`ProcessGroup`][gradcoll.group.ProcessGroup] runs leaves one
 record: operation, algorithm, sequence number, bytes, start (the rank's
 *arrival*), end, and the time the rank spent blocked waiting for its peers
 inside the transport (``wait_s``; the rest of the duration is copying,
@@ -10,7 +10,7 @@ the per-operation totals cover every collective since the group was built.
 A trace is the same records written as Chrome trace JSON (``chrome://tracing``,
 Perfetto): ``{"traceEvents": [...]}`` with one complete event (``ph "X"``) per
 collective and ``pid`` = rank, so each rank is one track. Each rank writes
-its own file (:func:`trace_path` names it); :func:`merge` joins them, and
+its own file ([`trace_path`][gradcoll.trace.trace_path] names it); [`merge`][gradcoll.trace.merge] joins them, and
 ``gradcoll stragglers`` reads either. Times are wall-clock microseconds
 (``time.time``), so traces of ranks on different hosts line up only as well
 as their clocks do.
@@ -74,7 +74,7 @@ class OpStats:
 
 @dataclass(frozen=True)
 class GroupStats:
-    """What :meth:`ProcessGroup.stats` returns: totals, per-operation totals and the recent records."""
+    """What [`ProcessGroup.stats`][gradcoll.group.ProcessGroup.stats] returns: totals, per-operation totals and the recent records."""
 
     rank: int
     size: int
@@ -167,7 +167,7 @@ class Recorder:
     # -- tracing -------------------------------------------------------------
     @property
     def tracing(self) -> bool:
-        """True between :meth:`start_trace` and :meth:`stop_trace`."""
+        """True between [`start_trace`][gradcoll.trace.Recorder.start_trace] and [`stop_trace`][gradcoll.trace.Recorder.stop_trace]."""
         return self._events is not None
 
     def start_trace(self) -> None:

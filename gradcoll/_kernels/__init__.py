@@ -1,6 +1,6 @@
 """Kernel implementations of the fused mean-reduce + finite-check.
 
 Each backend lives in its own module and is imported lazily by
-:mod:`gradcoll._kernels.select`; nothing here imports Numba, the compiled
+``gradcoll._kernels.select``; nothing here imports Numba, the compiled
 extension or CUDA at import time.
 """

@@ -1,6 +1,6 @@
 """numba.cuda kernels of the ``cuda``/``cudasim`` backends (device code only).
 
-They live apart from the host code in :mod:`gradcoll._kernels.cuda` because
+They live apart from the host code in ``gradcoll._kernels.cuda`` because
 numba's simulator swaps the ``cuda`` global of a kernel's module while the
 kernel runs: host code in the same module, called from another thread at that
 moment, would see the simulator's fake module.

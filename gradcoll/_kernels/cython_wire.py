@@ -1,7 +1,7 @@
 """The low-precision wire kernels of the ``cython`` backend: serial, compiled, no JIT warm-up.
 
-Same interface and bits as :mod:`.numba_wire` (and the oracle
-:mod:`.wire_reference`). A process group uses the ``cython`` kernels by
+Same interface and bits as ``gradcoll._kernels.numba_wire`` (and the oracle
+``gradcoll._kernels.wire_reference``). A process group uses the ``cython`` kernels by
 default, so its wire allreduce runs these: one thread per rank, where the
 threaded Numba kernels of every rank would compete for the same cores.
 Importing this module raises ImportError when the extension was not built.

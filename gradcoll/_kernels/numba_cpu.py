@@ -1,7 +1,7 @@
 """The ``numba`` backend: JIT-compiled CPU kernels, threaded for large buffers.
 
 Kernels are plain ``@njit`` functions compiled lazily on first use (or by
-:func:`warmup`) and cached on disk (``cache=True``). They never use
+``warmup``) and cached on disk (``cache=True``). They never use
 ``fastmath``: its ``nnan``/``ninf`` flags let LLVM assume that no NaN or Inf
 exists and delete the finite check.
 
@@ -113,7 +113,7 @@ def reduce2d_serial(x, out, divisor, dodiv, check):
 
 @njit(cache=True, fastmath=False, parallel=True)
 def reduce2d_parallel(x, out, divisor, dodiv, check):
-    """Threaded version of :func:`reduce2d_serial` (same bits)."""
+    """Threaded version of ``reduce2d_serial`` (same bits)."""
     m = out.shape[0]
     nblocks = (m + BLOCK - 1) // BLOCK
     bad = 0
@@ -141,7 +141,7 @@ def reduce_tuple_serial(xs, out, divisor, dodiv, check):
 
 @njit(cache=True, fastmath=False, parallel=True)
 def reduce_tuple_parallel(xs, out, divisor, dodiv, check):
-    """Threaded version of :func:`reduce_tuple_serial` (same bits)."""
+    """Threaded version of ``reduce_tuple_serial`` (same bits)."""
     m = out.shape[0]
     nblocks = (m + BLOCK - 1) // BLOCK
     bad = 0
@@ -186,7 +186,7 @@ def accumulate_serial(acc, x, scale, doscale, divisor, dodiv, check):
 
 @njit(cache=True, fastmath=False, parallel=True)
 def accumulate_parallel(acc, x, scale, doscale, divisor, dodiv, check):
-    """Threaded version of :func:`accumulate_serial`."""
+    """Threaded version of ``accumulate_serial``."""
     m = acc.shape[0]
     nblocks = (m + BLOCK - 1) // BLOCK
     bad = 0
@@ -211,7 +211,7 @@ def finite_serial(buf):
 
 @njit(cache=True, fastmath=False, parallel=True)
 def finite_parallel(buf):
-    """Threaded :func:`finite_serial`."""
+    """Threaded ``finite_serial``."""
     m = buf.shape[0]
     nblocks = (m + BLOCK - 1) // BLOCK
     bad = 0

@@ -1,9 +1,9 @@
 """Numba kernels of the low-precision wire: encode, decode, and the fused decode-accumulate.
 
-Same bits as :mod:`gradcoll._kernels.wire_reference` (the oracle). One pass
+Same bits as ``gradcoll._kernels.wire_reference`` (the oracle). One pass
 per call: ``accumulate`` widens each received wire value, adds it into the
 float32 accumulator, optionally divides, and ORs the exponent bits of the
-result for the finite check, block by block like :mod:`.numba_cpu`; no
+result for the finite check, block by block like ``gradcoll._kernels.numba_cpu``; no
 ``fastmath`` (its ``nnan``/``ninf`` flags would delete the check). The
 bf16 encode is a pure integer round-to-nearest-even; the fp16 encode is the
 branch-light IEEE conversion (exponent rebias plus round-half-even on the
@@ -86,7 +86,7 @@ def encode_serial(u, w, fmt):
 
 @njit(cache=True, fastmath=False, parallel=True)
 def encode_parallel(u, w, fmt):
-    """Threaded :func:`encode_serial` (same bits)."""
+    """Threaded ``encode_serial`` (same bits)."""
     m = u.shape[0]
     bad = 0
     for b in prange((m + BLOCK - 1) // BLOCK):
@@ -141,7 +141,7 @@ def accumulate_serial(acc, w, table, fmt, divisor, dodiv, decode_only):
 
 @njit(cache=True, fastmath=False, parallel=True)
 def accumulate_parallel(acc, w, table, fmt, divisor, dodiv, decode_only):
-    """Threaded :func:`accumulate_serial` (same bits)."""
+    """Threaded ``accumulate_serial`` (same bits)."""
     m = acc.shape[0]
     bad = 0
     for b in prange((m + BLOCK - 1) // BLOCK):

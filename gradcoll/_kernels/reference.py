@@ -4,7 +4,7 @@ Summation order is fixed: ``acc = x[0]; acc += x[1]; ...; acc += x[n-1]``,
 element by element, in the accumulation dtype; a mean then divides by ``n``.
 The finite check looks at the result: any NaN/Inf input makes the sum
 non-finite (NaN and Inf propagate through addition), and so does an overflow.
-The exact culprit is located afterwards by :func:`locate_nonfinite`.
+The exact culprit is located afterwards by ``locate_nonfinite``.
 """
 
 from __future__ import annotations

@@ -4,14 +4,14 @@ Every function takes a transport and a NumPy buffer and works in place.
 The allreduces send no agreement round before their data: their tags carry
 the call's descriptor and a bad input travels as a planted NaN, and only when
 something goes wrong do the ranks exchange records to agree on the error
-(:mod:`._guard`). Broadcast, allgather, reduce_scatter and barrier still
-start with the handshake round of :mod:`._handshake`. Either way every rank
+(``gradcoll.algorithms._guard``). Broadcast, allgather, reduce_scatter and barrier still
+start with the handshake round of ``gradcoll.algorithms._handshake``. Either way every rank
 agrees on what ran, who was there and whether the inputs were finite, and
-raises the same error if not. :class:`~gradcoll.group.ProcessGroup` is the
+raises the same error if not. [`ProcessGroup`][gradcoll.group.ProcessGroup] is the
 usual way in; these functions are the layer below it.
 
-Allreduce algorithms, chosen by :func:`select_allreduce` for ``"auto"`` (the
-one the cost model of :mod:`gradcoll.costmodel`, fitted to measurements,
+Allreduce algorithms, chosen by [`select_allreduce`][gradcoll.algorithms.select_allreduce] for ``"auto"`` (the
+one the cost model of ``gradcoll.costmodel``, fitted to measurements,
 predicts fastest):
 
 * ``recursive_doubling``: log2(n) rounds, latency-optimal for small buffers;
@@ -70,9 +70,9 @@ def auto_thresholds(size: int, transport: str | None = None) -> tuple[tuple[int,
     """What ``algorithm="auto"`` runs on ``size`` ranks: ``((from_bytes, algorithm), ...)``, ascending from 0.
 
     Derived once per (world size, transport) from the cost model fitted to
-    this project's measurements (:func:`gradcoll.costmodel.stored_models`,
+    this project's measurements (``gradcoll.costmodel.stored_models``,
     written by ``benches/fit_costmodel.py --write``) with
-    :func:`gradcoll.costmodel.crossovers`. Up to the largest world measured,
+    ``gradcoll.costmodel.crossovers``. Up to the largest world measured,
     the ranks share a node with the measured number of cores, as they did
     when measured; beyond it every rank has a core of its own.
     """
@@ -91,7 +91,7 @@ def select_allreduce(nbytes: int, size: int, transport: str | None = None) -> st
     """The algorithm ``algorithm="auto"`` runs for a buffer of ``nbytes`` on ``size`` ranks over ``transport``.
 
     The one the cost model predicts fastest (docs/scaling.md, "Crossovers and
-    ``algorithm="auto"``"): the thresholds come from :func:`auto_thresholds`,
+    ``algorithm="auto"``"): the thresholds come from [`auto_thresholds`][gradcoll.algorithms.auto_thresholds],
     computed once per world size and transport name (``"shm"``, ``"tcp"``;
     other names and None use the ``DEFAULT_TRANSPORT`` model), so a call is
     a cached lookup and a bisection.

@@ -1,6 +1,6 @@
 """Shared pieces of the collective algorithms: chunk arithmetic, tags, error wording.
 
-Nothing here moves data by itself. :class:`Coll` is the state of one running
+Nothing here moves data by itself. ``Coll`` is the state of one running
 collective (which rank, which operation, which sequence number, which step)
 and turns every transport error into a message that names all of it, in the
 house style ``rank 3: peer 4 closed the link during ring allreduce step 2/6

@@ -3,8 +3,8 @@
 The deterministic allreduce and the low-precision wire allreduce reduce
 each element in one place from all ``n`` contributions (so the result does
 not depend on how partial sums were grouped). Their ``star`` schedule
-gathers the inputs on rank 0 and sends the result back (:func:`star_gather`,
-:func:`star_reply`). Their ``recursive_doubling`` schedule is an allgather
+gathers the inputs on rank 0 and sends the result back (``star_gather``,
+``star_reply``). Their ``recursive_doubling`` schedule is an allgather
 of the inputs in ``log2 p`` rounds (``p`` the largest power of two <= ``n``)
 followed by a local reduction:
 
@@ -15,7 +15,7 @@ followed by a local reduction:
   ``2**k`` rows in (more where folded ranks sit);
 * afterwards ``rows[i]`` holds rank ``i``'s buffer on every rank that took
   part; the ranks that sat out get the result from their partner
-  (:func:`rd_result`).
+  (``rd_result``).
 
 Bytes per rank: ``(p - 1)`` buffers, against ``log2 p`` for a
 recursive doubling of partial sums: the latency schedule for small buffers.
@@ -37,7 +37,7 @@ def star_gather(coll: Coll, mine: np.ndarray, make_rows: Callable[[], np.ndarray
                 down: int) -> tuple[np.ndarray, list[Request]] | None:
     """Step 1 of the star (2 steps). Rank 0: receives of every other rank's ``mine``
     into ``make_rows()[p - 1]``, returned with their requests (wait for them in rank
-    order, then :func:`star_reply`). Any other rank: sends ``mine``, receives the
+    order, then ``star_reply``). Any other rank: sends ``mine``, receives the
     result into it, returns None.
     """
     coll.begin(2)
@@ -80,7 +80,7 @@ def rd_allgather(coll: Coll, mine: np.ndarray, rows: np.ndarray | None, fold: in
     """Gather every rank's ``mine`` into ``rows`` (``(n, m)``, None on a rank that sits out).
 
     Returns False on a rank that sits out: it has sent ``mine`` to its
-    partner and must call :func:`rd_result` for the result.
+    partner and must call ``rd_result`` for the result.
     """
     n, me = coll.size, coll.rank
     _, r, rounds = _shape(n)

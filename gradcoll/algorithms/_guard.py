@@ -1,14 +1,14 @@
 """The checks that ride on the data instead of a round of their own.
 
 Over a transport with lenient tags (``tcp``, ``shm``, ``inproc``; see
-:data:`~gradcoll.transport._frame.LENIENT_TAG`) an allreduce sends no
+``LENIENT_TAG``) an allreduce sends no
 agreement round before its data. Its guarantees move here:
 
 * **Mismatches.** Every data tag is ``LENIENT_TAG`` plus a hash of the
   descriptor (kind, algorithm, op, dtype, count, root, seq, check_finite)
   plus the phase. A rank that called something else sends frames with other
   tags or lengths; the receiving transport hands such a frame back as a
-  :class:`~gradcoll.transport._frame.FrameMismatch` and keeps the link.
+  ``FrameMismatch`` and keeps the link.
 * **Non-finite inputs (Jidoka).** With ``check_finite`` each rank scans its
   own input before sending, remembers the first bad element and plants a NaN
   in element 0. Every reduction carries that NaN into the result (max/min
@@ -16,19 +16,19 @@ agreement round before its data. Its guarantees move here:
   plant one where a sum overflows. The result is bitwise the same on every
   rank, so every rank sees the same verdict in it and enters the error path
   together: no rank returns while another halts.
-* **The error path** (:func:`fail`), only after something went wrong (a
+* **The error path** (``fail``), only after something went wrong (a
   mismatch, a timeout, a closed link, a non-finite result): the rank sends
   its 64-byte handshake record, with what it saw, to every peer under
-  :data:`ALARM_TAG` and collects theirs until a grace deadline, consuming the
+  ``ALARM_TAG`` and collects theirs until a grace deadline, consuming the
   stray data frames still queued before them. A peer still waiting for data
   from it is woken by the alarm (its receive fails with the alarm frame).
-  Every rank then applies :func:`_verdict` to the same table: a rank that
+  Every rank then applies ``_verdict`` to the same table: a rank that
   never sent a record did not arrive (CollectiveTimeout naming it), records
   that differ are a CollectiveMismatch naming rank 0's call and the first
   different one, NONFINITE statuses name the lowest culprit.
 
 Transports without lenient tags (``mpi``) run the handshake round of
-:mod:`._handshake` before the data and use the error path only for a
+``gradcoll.algorithms._handshake`` before the data and use the error path only for a
 non-finite result, when every stream is clean.
 """
 
@@ -288,8 +288,8 @@ def guarded_allreduce(
     find_bad: Callable[[Coll, np.ndarray], tuple[int, float] | None] = first_planted,
 ) -> np.ndarray:
     """The frame every allreduce algorithm runs in: validate, set up the descriptor and the
-    local finite check (:func:`begin`), run ``body(coll, flat)`` on the data path, send any
-    failure through the shared error path (:func:`fail`), and halt every rank alike when the
+    local finite check (``begin``), run ``body(coll, flat)`` on the data path, send any
+    failure through the shared error path (``fail``), and halt every rank alike when the
     result carries a non-finite marker (``find_bad``). Returns ``buf``."""
     flat = as_flat(buf, reduce=True)
     check_op(op)

@@ -5,17 +5,17 @@ collective's descriptor (kind, algorithm, op, dtype, element count, root,
 sequence number) and the status of its local input (finite, or the first
 NaN/Inf: index and value). Rank 0 waits for all records until the deadline
 and sends every rank the whole *table* (one slot per rank plus one result
-slot). Every rank then runs the same pure function, :func:`verdict`, over the
+slot). Every rank then runs the same pure function, ``verdict``, over the
 same table, so every rank reaches the same decision and raises the same
 error, naming the same ranks:
 
-* a slot rank 0 never received: :class:`CollectiveTimeout` naming exactly the
+* a slot rank 0 never received: [`CollectiveTimeout`][gradcoll.errors.CollectiveTimeout] naming exactly the
   ranks that did not arrive (rank 0 saw who was missing);
-* a peer whose link closed or broke: :class:`TransportClosed` /
-  :class:`TransportBroken` naming it;
-* a descriptor that differs from rank 0's: :class:`CollectiveMismatch`
+* a peer whose link closed or broke: [`TransportClosed`][gradcoll.errors.TransportClosed] /
+  [`TransportBroken`][gradcoll.errors.TransportBroken] naming it;
+* a descriptor that differs from rank 0's: [`CollectiveMismatch`][gradcoll.errors.CollectiveMismatch]
   naming both ranks and both descriptors;
-* a non-finite input: :class:`NonFiniteError` naming the lowest such rank,
+* a non-finite input: [`NonFiniteError`][gradcoll.errors.NonFiniteError] naming the lowest such rank,
   its element index and value (Jidoka: every rank halts, none returns).
 
 Records and tables have a fixed length for a given world size, whatever the
@@ -123,7 +123,7 @@ class Record(NamedTuple):
 
 def make_record(kind: str, algo: str, op: str | None, dtype: np.dtype | None, count: int, seq: int,
                 root: int = -1, status: tuple[int, int, float] | None = None) -> Record:
-    """This rank's record; ``status`` is ``(NONFINITE, index, value)`` from :func:`local_status`."""
+    """This rank's record; ``status`` is ``(NONFINITE, index, value)`` from ``local_status``."""
     code, index, value = status or (OK, -1, 0.0)
     return Record(KINDS.index(kind), ALGOS.index(algo), OP_CODES.index(op or "-"),
                   ord(dtype.char) if dtype is not None else 0, dtype.itemsize if dtype is not None else 0,

@@ -1,6 +1,6 @@
 """Barrier: no rank leaves before every rank has arrived.
 
-It is the handshake alone (see :mod:`._handshake`): every rank sends rank 0
+It is the handshake alone (see ``gradcoll.algorithms._handshake``): every rank sends rank 0
 a 64-byte record, rank 0 answers each once it has heard from all. Two
 communication steps; rank 0 handles ``2 (n - 1)`` tiny messages. A rank that
 does not arrive is named in the CollectiveTimeout every other rank raises.

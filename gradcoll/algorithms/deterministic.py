@@ -6,7 +6,7 @@ This one does not, and it moves the same bytes as the ordinary one:
 
 * Raw contributions travel, never partial sums. Every element is reduced by
   exactly one kernel call that sees all ``n`` contributions of it at once
-  (:func:`exact_reduce`).
+  (``exact_reduce``).
 * That kernel puts the element's contributions on a fixed-point grid set by
   the largest of them (``2**(E-F)``, ``max |x| < 2**E``,
   ``F = min(51, 52 - ceil(log2 n))``), rounds each to an integer once, sums
@@ -15,7 +15,7 @@ This one does not, and it moves the same bytes as the ordinary one:
   order, so the result is a function of the multiset of contributions alone:
   the same bits whatever the algorithm, the chunking, the transport, the
   thread count or the arrival order. The exact rules are in
-  :mod:`gradcoll._kernels.fixed_reference`.
+  ``gradcoll._kernels.fixed_reference``.
 * Where an element's contributions lie within ``F - 24`` binades of its
   largest (27 at 2 ranks, 25 at 8, 19 at 1,024; almost always for the
   gradients of one parameter), nothing is rounded before the sum and the
@@ -32,13 +32,13 @@ Schedules (``algorithm``), each with the bytes of its ordinary counterpart:
   phase: the ring's bytes, in two steps of latency instead of ``2(n-1)``.
 * ``star``: rank 0 receives every raw buffer, reduces, sends the result.
 * ``recursive_doubling``: a recursive-doubling allgather of the raw buffers
-  (:mod:`._gather`: ``log2 p`` rounds, doubling blocks; a
+  (``gradcoll.algorithms._gather``: ``log2 p`` rounds, doubling blocks; a
   non-power-of-two rank folds its buffer into a partner first and gets the
   result back last), then every rank reduces all ``n`` rows itself. ``n``
   times the buffer in scratch: a schedule for small buffers.
 
 Non-finite inputs are found by the ordinary local check and travel as a
-planted NaN (:mod:`._guard`); an ``op="sum"`` that overflows the output dtype
+planted NaN (``gradcoll.algorithms._guard``); an ``op="sum"`` that overflows the output dtype
 is planted at the start of the owner's chunk. See docs/algorithms/deterministic.md.
 """
 
@@ -189,7 +189,7 @@ def _star(coll: Coll, flat: np.ndarray, divisor: float, check: bool, ws: Workspa
 
 def _rd(coll: Coll, flat: np.ndarray, divisor: float, check: bool, ws: Workspace | None,
         backend: str | None, segment_bytes: int) -> None:
-    """Recursive-doubling allgather of the raw buffers (:mod:`._gather`), then a local exact reduce."""
+    """Recursive-doubling allgather of the raw buffers (``gradcoll.algorithms._gather``), then a local exact reduce."""
     n = coll.size
     coll.begin(rd_steps(n))
     rows = None if sits_out(n, coll.rank) else scratch(ws, "det_all", (n, flat.size), flat.dtype)

@@ -24,7 +24,7 @@ Each active rank sends ``log2(p) * S`` bytes in ``log2(p)`` rounds (plus one
 fold and one unfold step of ``S`` bytes when ``n`` is not a power of two).
 An overflow sets element 0 of the partial to NaN, which every later round
 carries to every rank, so all ranks detect it together; a bad input was
-planted there before the data moved (see :mod:`._guard`, which also carries
+planted there before the data moved (see ``gradcoll.algorithms._guard``, which also carries
 the mismatch and timeout checks). See docs/algorithms/recursive_doubling.md.
 """
 

@@ -1,6 +1,6 @@
 """Ring reduce-scatter: every rank ends with its own chunk of the reduced buffer.
 
-This is the first half of the ring allreduce (see :mod:`.ring`), with the
+This is the first half of the ring allreduce (see ``gradcoll.algorithms.ring``), with the
 schedule rotated by one so that rank ``q`` finishes with chunk ``q`` of the
 near-equal split (the first ``count % n`` chunks one element longer). Each
 rank sends ``(n - 1) / n * S`` bytes in ``n - 1`` steps. Other parts of the

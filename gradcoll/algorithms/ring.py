@@ -1,7 +1,7 @@
 """Ring allreduce: reduce-scatter then allgather around a ring, pipelined in segments.
 
 The buffer of ``count`` elements is split into ``n`` near-equal chunks (see
-:func:`~gradcoll.algorithms._common.chunk_bounds`). Rank ``q`` sends to
+``chunk_bounds``). Rank ``q`` sends to
 ``q + 1`` and receives from ``q - 1``. In reduce-scatter step ``s`` it sends
 chunk ``q - s`` and adds the chunk ``q - s - 1`` it receives into its own
 copy; after ``n - 1`` steps it holds the fully reduced chunk ``q + 1``, and

@@ -3,12 +3,12 @@
 A non-root sends its whole buffer to rank 0 and waits for the result. Rank 0
 receives the rows into a preallocated ``n x count`` buffer whose row ``p`` is
 rank ``p``'s contribution (its own input copied into row 0). One call of the
-fused :func:`~gradcoll.kernels.mean_reduce` adds the rows in rank order
+fused [`mean_reduce`][gradcoll.kernels.mean_reduce] adds the rows in rank order
 0..n-1, divides (for ``mean``) and checks every element for NaN/Inf (an
 overflow plants a NaN in element 0 of the result); ``max``/``min`` use NumPy,
 which carries the NaN a bad input was planted as. Rank 0 then sends every
 rank the result. Mismatches, timeouts and non-finite results are found as in
-every allreduce (:mod:`._guard`): no agreement round precedes the data.
+every allreduce (``gradcoll.algorithms._guard``): no agreement round precedes the data.
 
 Summation is in rank order, so the result is bitwise equal to
 ``numpy.sum(rows, axis=0)`` in rank order (divided by ``n`` for ``mean``),

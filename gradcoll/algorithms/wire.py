@@ -3,7 +3,7 @@
 Only the transfer is rounded. Each rank encodes its buffer once (round to
 nearest even, fused with the finite check, so a value that overflows fp16 is
 caught before it is sent); receivers widen exactly and accumulate in float32
-with the fused :func:`~gradcoll.kernels.accumulate_wire`. The reduced value
+with the fused [`accumulate_wire`][gradcoll.kernels.accumulate_wire]. The reduced value
 is rounded to the wire format once more for the return trip, and every rank,
 the reducing one included, keeps exactly that rounded value, so the result
 is bitwise identical everywhere. Schedules (``algorithm``):
@@ -17,7 +17,7 @@ is bitwise identical everywhere. Schedules (``algorithm``):
 * ``star``: rank 0 adds the encoded rows in rank order and sends the
   encoded result back.
 * ``recursive_doubling``: a recursive-doubling allgather of the encoded
-  buffers (:mod:`._gather`, ``log2 p`` rounds), then every rank adds all
+  buffers (``gradcoll.algorithms._gather``, ``log2 p`` rounds), then every rank adds all
   ``n`` rows in rank order: every contribution rounded once, as in the ring
   and the star, so the error bound is theirs, and the same bits everywhere.
 

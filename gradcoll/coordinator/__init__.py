@@ -1,10 +1,10 @@
 """A coordinator and its workers, byte-compatible with entrenar's gradient server (protocol v1).
 
-:class:`GradientServer` (the coordinator) and :class:`WorkerClient` (a
+``GradientServer`` (the coordinator) and ``WorkerClient`` (a
 worker) re-create entrenar's API on top of gradcoll: the wire codec is the
-sans-I/O :mod:`.protocol`, each collect is the star algorithm's
+sans-I/O ``gradcoll.coordinator.protocol``, each collect is the star algorithm's
 gather-reduce-broadcast with the reduction done by the fused
-:func:`gradcoll.kernels.mean_reduce`, and every wait is bounded. A Rust
+[`gradcoll.kernels.mean_reduce`][gradcoll.kernels.mean_reduce], and every wait is bounded. A Rust
 entrenar worker can join a gradcoll coordinator and the reverse. See
 docs/coordinator.md.
 """

@@ -1,10 +1,10 @@
 """One framed TCP connection of the coordinator protocol: deadline-bounded, locked I/O and nothing else.
 
-The socket keeps a short timeout (:data:`POLL_S`) so no call ever blocks for
+The socket keeps a short timeout (``POLL_S``) so no call ever blocks for
 long: receive calls return ``[]`` when nothing came in that slice (the caller
 checks its own deadline and the peer's heartbeat), and a send loops on
 partial ``sendmsg`` results until its deadline. Frames go out as the
-buffers of :func:`~gradcoll.coordinator.protocol.encode_parts` (the gradient
+buffers of ``encode_parts`` (the gradient
 is never copied) under one send lock, so a heartbeat thread never cuts into
 a frame. A send that stops half-way leaves the stream unusable: the
 connection is then marked broken and every later send raises.

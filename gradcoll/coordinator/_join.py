@@ -1,8 +1,8 @@
 """Admission to a coordinator cluster: join requests, the HMAC handshake, refusals.
 
-The coordinator's ``wait_for_workers`` loop asks :meth:`Admission.ready` for
+The coordinator's ``wait_for_workers`` loop asks ``Admission.ready`` for
 the joining connections that have something to act on (a message, an error,
-a missed deadline) and hands each to :meth:`Admission.handshake`, so joins
+a missed deadline) and hands each to ``Admission.handshake``, so joins
 progress side by side and a silent stranger holds up no one. Worker ids are
 given in the order joins complete. A refused connection is logged (logger
 ``gradcoll.coordinator``, WARNING), told why if it is a gradcoll peer, and

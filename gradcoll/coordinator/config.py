@@ -71,7 +71,7 @@ def shard_bounds(total: int, workers: int, worker: int, step: int = 0, policy: s
 
 @dataclass(frozen=True)
 class DistributedConfig:
-    """Configuration of a coordinator or a worker; build it with :meth:`coordinator` or :meth:`worker`."""
+    """Configuration of a coordinator or a worker; build it with ``coordinator`` or ``worker``."""
 
     role: Role
     bind_addr: str | tuple[str, int] | None = None

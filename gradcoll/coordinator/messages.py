@@ -1,12 +1,12 @@
 """The messages of coordinator protocol v1 (entrenar's tags 0x01..0x0B) and gradcoll's additions (0x80..).
 
 Each message is a frozen dataclass whose ``TAG`` and ``FIELDS`` (name, wire
-kind) describe its bytes; :mod:`.protocol` turns them into frames and back.
+kind) describe its bytes; ``gradcoll.coordinator.protocol`` turns them into frames and back.
 Wire kinds: ``u8``/``u32``/``u64``/``f32`` (little-endian), ``ou32``/``ou64``
 (an optional integer, all ones meaning None), ``str`` (u32 length + UTF-8),
 ``bytes`` (u32 length + bytes), ``sizes`` (u32 count + u32 each),
 ``f32vec`` (u64 count + f32 each) and ``ext`` (gradcoll's optional trailer,
-:class:`Extension`). Equality is bit-exact: NaN equals the same NaN, -0.0
+``Extension``). Equality is bit-exact: NaN equals the same NaN, -0.0
 differs from 0.0.
 """
 

@@ -1,30 +1,30 @@
 """Coordinator protocol v1 as a sans-I/O codec: message objects to bytes and back, no sockets.
 
-Byte-compatible with entrenar's gradient server (SPEC §1). A frame is a u32
+Byte-compatible with entrenar's gradient server (docs/wire.md). A frame is a u32
 BIG-endian payload length, then the payload: a tag byte and the message's
 fields, every one LITTLE-endian. A string is ``u32 length + UTF-8``, an f32
 vector ``u64 count + count * f32``, component sizes ``u32 count + count * u32``.
 Tags 0x01..0x0B are entrenar's; gradcoll's additions take new tags (0x80..)
-and are only ever sent to a peer that announced them (see :class:`Extension`):
+and are only ever sent to a peer that announced them (see ``Extension``):
 
-* :class:`Abort` (0x80): the coordinator gave up; carries a code, the
+* ``Abort`` (0x80): the coordinator gave up; carries a code, the
   culprit worker, the step and the reason.
-* :class:`AuthChallenge` / :class:`AuthResponse` (0x81 / 0x82): the HMAC
+* ``AuthChallenge`` / ``AuthResponse`` (0x81 / 0x82): the HMAC
   join handshake when a shared secret is configured.
-* :class:`Heartbeat` keeps entrenar's tag 0x06, which entrenar defines but
+* ``Heartbeat`` keeps entrenar's tag 0x06, which entrenar defines but
   never sends; gradcoll peers actually send it.
 
-:func:`encode` / :func:`encode_parts` build frames (the latter without
-copying the gradient). :class:`FrameDecoder` takes bytes (``feed``) or lends
+``encode`` / ``encode_parts`` build frames (the latter without
+copying the gradient). ``FrameDecoder`` takes bytes (``feed``) or lends
 its buffer to the caller's ``recv_into`` (``get_buffer`` / ``buffer_updated``,
 the shape of asyncio's BufferedProtocol) and returns complete messages. A
 ``sink`` lets the caller choose where a gradient vector lands, so the
 coordinator receives each worker's gradient straight into its row of the
-reduction buffer. Decoding errors are :class:`~gradcoll.errors.ProtocolError`
+reduction buffer. Decoding errors are [`ProtocolError`][gradcoll.errors.ProtocolError]
 with entrenar's texts ("empty payload", "unknown message tag: 0x..",
 "truncated <field>", "invalid utf8", "message too large: N bytes"); bytes
 after the last field of a message are ignored, as entrenar does. The
-message classes live in :mod:`.messages` and are re-exported here.
+message classes live in ``gradcoll.coordinator.messages`` and are re-exported here.
 """
 
 from __future__ import annotations
@@ -90,7 +90,7 @@ _MIN_ROOM = 4096  # compact the staging buffer when less than this is free at it
 def encode_parts(msg: Message, max_frame_bytes: int | None = DEFAULT_MAX_FRAME) -> list[Any]:
     """The frame of ``msg`` as buffers to send in order; gradient vectors are views, not copies.
 
-    Raises :class:`~gradcoll.errors.UsageError`, before anything is built,
+    Raises [`UsageError`][gradcoll.errors.UsageError], before anything is built,
     when a field does not fit its wire type or the payload would exceed
     ``max_frame_bytes`` (the peer would refuse it).
     """
@@ -181,7 +181,7 @@ class FrameDecoder:
         return out
 
     def get_buffer(self) -> memoryview:
-        """A writable buffer for the next bytes (``recv_into`` it, then call :meth:`buffer_updated`)."""
+        """A writable buffer for the next bytes (``recv_into`` it, then call ``buffer_updated``)."""
         if self._error is not None:
             raise self._error
         if self._body is not None and self._r == self._w:
@@ -197,7 +197,7 @@ class FrameDecoder:
         return memoryview(self._buf)[self._w :]
 
     def buffer_updated(self, nbytes: int) -> list[Message]:
-        """``nbytes`` were written into the last :meth:`get_buffer`; returns the messages completed."""
+        """``nbytes`` were written into the last ``get_buffer``; returns the messages completed."""
         if self._direct:
             self._body_off += nbytes
         else:

@@ -3,10 +3,10 @@
 Each collect is the star algorithm's gather-reduce-broadcast with the
 coordinator as root: every worker's gradient lands (through its connection's
 reader thread, concurrently) in its row of a preallocated ``n x count``
-float32 buffer; one call of :func:`gradcoll.kernels.mean_reduce` averages
+float32 buffer; one call of [`gradcoll.kernels.mean_reduce`][gradcoll.kernels.mean_reduce] averages
 the rows in worker order and checks every element for NaN/Inf; the
 broadcast sends the result to all workers at once. Unlike
-:func:`~gradcoll.algorithms.star_allreduce` the root contributes no row, and
+``star_allreduce`` the root contributes no row, and
 the wire is entrenar's protocol rather than gradcoll's transport frames.
 
 Every wait is bounded by ``timeout_s``; a gradcoll worker that sends nothing
@@ -66,7 +66,7 @@ __all__ = ["GradientServer"]
 
 
 class GradientServer:
-    """The coordinator of a data-parallel cluster (entrenar's ``GradientServer``); build it with :meth:`bind`."""
+    """The coordinator of a data-parallel cluster (entrenar's ``GradientServer``); build it with ``bind``."""
 
     def __init__(self, config: DistributedConfig, listener: socket.socket) -> None:
         self.config = config
@@ -92,7 +92,7 @@ class GradientServer:
 
     @classmethod
     def bind(cls, config: DistributedConfig) -> "GradientServer":
-        """Listen on ``config.bind_addr`` (port 0 picks a free port, see :meth:`local_addr`)."""
+        """Listen on ``config.bind_addr`` (port 0 picks a free port, see ``local_addr``)."""
         if config.role is not Role.COORDINATOR:
             raise UsageError("GradientServer.bind needs a coordinator config (DistributedConfig.coordinator)")
         host, port = parse_addr(config.bind_addr, "bind_addr")
@@ -114,7 +114,7 @@ class GradientServer:
         return len(self._workers)
 
     def set_total_samples(self, n: int) -> None:
-        """Set the dataset size that :meth:`send_shard_assignments` splits."""
+        """Set the dataset size that ``send_shard_assignments`` splits."""
         if not isinstance(n, (int, np.integer)) or n < 0:
             raise UsageError(f"total_samples must be a non-negative int, got {n!r}")
         self._total_samples = int(n)

@@ -71,7 +71,7 @@ def _dial(host: str, port: int, deadline: Deadline) -> socket.socket:
 
 
 class WorkerClient:
-    """A worker of a coordinator cluster (entrenar's ``WorkerClient``); build it with :meth:`connect`."""
+    """A worker of a coordinator cluster (entrenar's ``WorkerClient``); build it with ``connect``."""
 
     def __init__(self, config: DistributedConfig, conn: Conn, worker_id: int, total_workers: int,
                  coordinator_ext: Extension | None, pending: collections.deque[Message]) -> None:

@@ -3,15 +3,15 @@
 Everything a node needs to join a group and serve work, with no environment
 variables read unless asked (``NodeConfig.from_env``), no process spawning
 and no stdout contract: results come back as frozen report objects, so a
-mobile or embedded shell can link it. ::
+mobile or embedded shell can link it:
 
     cfg = NodeConfig(1, 3).peers(["10.0.0.1:29500"]).device("auto")   # one address: star
     group = cfg.connect(timeout=60)
     report = serve_worker(group, resolve=None)     # file:// .npy weights
 
-Rank 0 is the coordinator: :func:`collect_caps`, :func:`ship_stage`,
-:func:`drive_pipeline` for a pipeline; :func:`coordinate_trainer` (or
-:func:`ship_train_spec` + :func:`run_trainer`) for data-parallel training.
+Rank 0 is the coordinator: ``collect_caps``, ``ship_stage``,
+``drive_pipeline`` for a pipeline; ``coordinate_trainer`` (or
+``ship_train_spec`` + ``run_trainer``) for data-parallel training.
 Stages and train specs are JSON data over a fixed op registry; nothing a
 peer sends is unpickled or executed. See docs/node.md.
 """

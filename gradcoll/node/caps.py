@@ -25,7 +25,7 @@ __all__ = ["NodeRole", "NodeCaps", "platform_tag", "node_device", "send_caps", "
 
 log = logging.getLogger(__name__)
 
-#: Device directives :func:`node_device` understands (besides "auto" / "").
+#: Device directives ``node_device`` understands (besides "auto" / "").
 KNOWN_DEVICES = ("cpu", "cuda", "cudasim")
 _PLATFORMS = ("linux", "macos", "windows", "android", "ios", "wasm", "unknown")
 _WORKER, _FIXED = "worker", "fixed_function"

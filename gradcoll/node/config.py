@@ -6,7 +6,7 @@ collectives failed beyond two ranks):
 
 * Both topologies connect the same full TCP mesh (gradcoll's ``tcp``
   transport); the topology is a *traffic pattern* carried by the returned
-  :class:`NodeGroup`. In ``star`` the node helpers run their allreduce with
+  ``NodeGroup``. In ``star`` the node helpers run their allreduce with
   the star algorithm and relay pipeline activations through rank 0; in
   ``mesh`` they use the ring and send activations straight to the next
   rank. Every collective of the group therefore works at any world size in
@@ -14,7 +14,7 @@ collectives failed beyond two ranks):
   instead of hanging.
 * Rendezvous goes through gradcoll's TCP store on one known address (no
   broadcast or multicast): the coordinator's address for ``peers``, or the
-  address given to :meth:`PeerSource.discover`. Each rank listens on the
+  address given to ``PeerSource.discover``. Each rank listens on the
   host of its own address (or the interface that routes to the store) on
   an ephemeral port and publishes it in the store; the port in the address
   of ranks 1.. is therefore not used (the tcp transport picks its own).
@@ -59,7 +59,7 @@ class Topology(enum.Enum):
 
 
 class NodeGroup(ProcessGroup):
-    """The ProcessGroup :meth:`NodeConfig.connect` returns; it also knows its ``topology``."""
+    """The ProcessGroup ``NodeConfig.connect`` returns; it also knows its ``topology``."""
 
     def __init__(self, transport: Transport, *, topology: Topology = Topology.MESH, **options: Any) -> None:
         super().__init__(transport, **options)
@@ -175,7 +175,7 @@ class NodeConfig:
 
     def discover(self, store: str, *, host: str | None = None, external: bool = False,
                  job: str = "default") -> "NodeConfig":
-        """Find peers through the rendezvous store at ``store`` (see :meth:`PeerSource.discover`)."""
+        """Find peers through the rendezvous store at ``store`` (see ``PeerSource.discover``)."""
         return replace(self, peer_source=PeerSource.discover(store, host=host, external=external, job=job))
 
     def star(self) -> "NodeConfig":

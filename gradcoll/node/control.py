@@ -1,7 +1,7 @@
 """NodeControl: how long a serving loop runs (a step budget and a stop flag).
 
-The flag is a :class:`threading.Event` raised through a
-:class:`NodeStopHandle` from any thread (a shell's UI thread, a signal
+The flag is a ``threading.Event`` raised through a
+``NodeStopHandle`` from any thread (a shell's UI thread, a signal
 handler's helper). A serving loop checks it between activations and, while
 idle, every ``poll`` seconds: it waits for the next message in slices of
 ``poll`` seconds, so a stop takes effect within one such receive timeout
@@ -22,7 +22,7 @@ DEFAULT_POLL = 0.2
 
 
 class NodeStopHandle:
-    """Raises the stop flag of one :class:`NodeControl` from another thread."""
+    """Raises the stop flag of one ``NodeControl`` from another thread."""
 
     def __init__(self, event: threading.Event) -> None:
         self._event = event
@@ -33,7 +33,7 @@ class NodeStopHandle:
 
     @property
     def stopped(self) -> bool:
-        """True once :meth:`stop` was called."""
+        """True once ``stop`` was called."""
         return self._event.is_set()
 
 

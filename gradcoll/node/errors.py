@@ -1,8 +1,8 @@
 """The two errors the node driver adds to gradcoll's taxonomy.
 
-:class:`StageRefused` is local: this node (or the coordinator on its
+``StageRefused`` is local: this node (or the coordinator on its
 behalf) will not take a stage, a train spec or an input that does not fit
-it; it is also a ``ValueError``. :class:`RemoteStageError` is remote:
+it; it is also a ``ValueError``. ``RemoteStageError`` is remote:
 another rank reported that its stage failed, and the text is that rank's
 message (only ever displayed, never interpreted).
 """

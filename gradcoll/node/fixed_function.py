@@ -2,9 +2,9 @@
 
 A fixed-function node (an FPGA with a synthesized datapath) cannot compile
 a shipped graph. It advertises the one stage it implements as a
-:class:`FixedFunction` and refuses any stage with another id, any input of
+``FixedFunction`` and refuses any stage with another id, any input of
 the wrong length or dtype, and any board output of the wrong length. The
-serving loop is :func:`gradcoll.node.serve_fixed_function_n`; it converts
+serving loop is ``gradcoll.node.serve_fixed_function_n``; it converts
 each activation to the board's ``dtype`` on the host, as a worker's stage
 converts to its spec's dtype.
 """

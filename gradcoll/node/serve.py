@@ -1,6 +1,6 @@
 """Serving a pipeline: workers, fixed-function boards, and the coordinator's helpers.
 
-The protocol, per worker rank ``r`` (rank 0 is the coordinator)::
+The protocol, per worker rank ``r`` (rank 0 is the coordinator):
 
     r -> 0   caps            (send_caps / collect_caps, ranks 1..n-1 in order)
     0 -> r   stage spec      (ship_stage)
@@ -8,11 +8,11 @@ The protocol, per worker rank ``r`` (rank 0 is the coordinator)::
     loop:    activation in from upstream, run the stage, result out downstream
 
 In a mesh upstream is ``r - 1`` and downstream ``r + 1`` (the last rank
-wraps to 0), so :func:`drive_pipeline` sends to rank 1 and reads rank
+wraps to 0), so ``drive_pipeline`` sends to rank 1 and reads rank
 ``n - 1``. In a star both are rank 0, which relays each activation through
 ranks 1..n-1 in turn. A rank whose stage fails sends an error report
 downstream before raising; the others pass it on and rank 0 raises
-:class:`~gradcoll.node.errors.RemoteStageError` with the failing rank's
+``RemoteStageError`` with the failing rank's
 message. A worker's loop ends cleanly when its control's step budget is
 spent, its stop flag is raised, or its upstream closes the link.
 """
@@ -111,7 +111,7 @@ def serve_worker_n(group: ProcessGroup, caps: NodeCaps, resolve: Resolver | None
     """Serve as a general worker: announce ``caps``, receive a stage, run activations while ``control`` allows.
 
     ``resolve`` turns weight URIs into arrays (None: ``file://`` .npy); each
-    URI is resolved once. Returns the :class:`NodeReport`; the group stays
+    URI is resolved once. Returns the ``NodeReport``; the group stays
     open (the caller closes it).
     """
     _worker_rank(group, "serve a stage")
@@ -133,7 +133,7 @@ def serve_worker_n(group: ProcessGroup, caps: NodeCaps, resolve: Resolver | None
 
 
 def serve_worker(group: ProcessGroup, resolve: Resolver | None = None) -> NodeReport:
-    """:func:`serve_worker_n` with this node's default caps and no step bound."""
+    """``serve_worker_n`` with this node's default caps and no step bound."""
     return serve_worker_n(group, NodeCaps.here(group.rank), resolve, NodeControl.unbounded())
 
 

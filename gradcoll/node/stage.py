@@ -1,18 +1,18 @@
 """Stages as data: ``OpSpec`` / ``StageSpec`` (JSON in, JSON out) and their execution.
 
-The coordinator ships a stage as JSON, for example::
+The coordinator ships a stage as JSON, for example:
 
     {"stage_id": "mlp-1", "device": "auto", "dtype": "float32",
      "ops": [{"op": "linear", "weight": "file:///w/l1.npy", "bias": "file:///w/b1.npy"},
              {"op": "gelu"}, {"op": "scale", "factor": 0.5}]}
 
-Every op must be in the fixed registry of :mod:`gradcoll.node.ops`, with
+Every op must be in the fixed registry of ``gradcoll.node.ops``, with
 exactly the arguments it declares: parsing refuses anything else before a
-single weight is fetched. :func:`compile_stage` resolves the weight URIs
-through a :class:`~gradcoll.node.weights.WeightCache` and returns a
-:class:`Stage` you call on activations. The trainer binds the same ops to
-named parameters instead of URIs (:func:`bind`, :func:`forward`,
-:func:`backward`).
+single weight is fetched. ``compile_stage`` resolves the weight URIs
+through a ``WeightCache`` and returns a
+``Stage`` you call on activations. The trainer binds the same ops to
+named parameters instead of URIs (``bind``, ``forward``,
+``backward``).
 """
 
 from __future__ import annotations
@@ -197,7 +197,7 @@ def bind(ops: Iterable[OpSpec], lookup: Callable[[str], Any], dtype: str) -> tup
 
 
 def forward(bound: Iterable[BoundOp], x: np.ndarray) -> tuple[np.ndarray, list[Any]]:
-    """Run the ops on ``x``; returns the output and what :func:`backward` needs."""
+    """Run the ops on ``x``; returns the output and what ``backward`` needs."""
     caches = []
     for i, b in enumerate(bound):
         try:
@@ -220,7 +220,7 @@ def backward(bound: tuple[BoundOp, ...], caches: list[Any], g: np.ndarray) -> di
 
 
 class Stage:
-    """A compiled :class:`StageSpec`: call it on an activation (or a batch) to run the ops."""
+    """A compiled ``StageSpec``: call it on an activation (or a batch) to run the ops."""
 
     def __init__(self, spec: StageSpec, resolve: Resolver | None = None) -> None:
         self.spec = spec

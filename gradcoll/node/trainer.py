@@ -1,6 +1,6 @@
 """Data-parallel training on node hardware: ``serve_trainer`` and friends.
 
-Every rank (rank 0 included) holds one :class:`~gradcoll.node.trainspec.TrainSpec`
+Every rank (rank 0 included) holds one ``TrainSpec``
 with its own shard; all ranks first agree, with one allgather, that every
 rank accepted its spec and that shards, batch size, parameter count and
 epochs are uniform (otherwise the ranks would run different numbers of
@@ -8,13 +8,13 @@ steps and the collectives would not line up). Then each step:
 
 1. forward and backward over this rank's next batch, gradients *summed*
    over its lanes (rows);
-2. ``buf = [flat gradients..., lanes]`` goes through :func:`mean_reduce`;
+2. ``buf = [flat gradients..., lanes]`` goes through ``mean_reduce``;
    both parts become means over ranks, so ``buf[:-1] / buf[-1]`` is the
    gradient averaged over every lane of the step, even when batches differ
    in length;
 3. momentum SGD: ``v = momentum * v + g``, ``p -= lr[epoch] * v``.
 
-:func:`train_local` runs the same steps for several shards in one process,
+``train_local`` runs the same steps for several shards in one process,
 reducing with NumPy instead of the network: the single-process reference a
 distributed run must match to float rounding.
 """
@@ -229,7 +229,7 @@ def serve_trainer(group: ProcessGroup, caps: NodeCaps, resolve: Resolver | None 
 
 
 def serve_trainer_here(group: ProcessGroup, resolve: Resolver | None = None, log: Log | None = None) -> TrainReport:
-    """:func:`serve_trainer` with capabilities derived from this node."""
+    """``serve_trainer`` with capabilities derived from this node."""
     return serve_trainer(group, NodeCaps.here(group.rank), resolve, log)
 
 

@@ -1,6 +1,6 @@
 """``TrainSpec``: a data-parallel training job as JSON data.
 
-::
+For example:
 
     {"ops": [{"op": "linear", "weight": "w1", "bias": "b1"}, {"op": "relu"},
              {"op": "linear", "weight": "w2"}],

@@ -5,7 +5,7 @@ array with a *resolver*. The default resolver reads ``file://`` URIs that
 point at ``.npy`` files, with ``allow_pickle=False``: a URI comes from a
 peer, and nothing a peer sends is ever unpickled. A shell that fetches
 weights its own way (an app bundle, a content store) passes its own
-resolver; :func:`weight_cache` wraps either so a URI used by several ops or
+resolver; ``weight_cache`` wraps either so a URI used by several ops or
 several stages is fetched once.
 """
 

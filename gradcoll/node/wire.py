@@ -2,7 +2,7 @@
 
 The transport delivers messages of an exact, pre-agreed length, but a
 stage spec or an activation has a length only the sender knows. So every
-node message is two transport messages: a 16-byte header, then the body::
+node message is two transport messages: a 16-byte header, then the body:
 
     4s magic "GCND" | u8 kind | u8 dtype | u16 reserved | u64 body bytes   (little-endian)
 
@@ -13,7 +13,7 @@ apart from every collective's. Bodies are bounded before anything is
 allocated, JSON is only ever parsed as data, and nothing is unpickled.
 
 Waiting for the header is the one place a serving loop idles. With a
-:class:`~gradcoll.node.control.NodeControl` it waits in slices of
+``NodeControl`` it waits in slices of
 ``control.poll`` seconds and looks at the stop flag between them; the
 transport cancels a receive that times out before any byte of it arrived
 and keeps the link, and the 40 bytes of header frame go out in one segment,

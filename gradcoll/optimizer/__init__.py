@@ -1,6 +1,6 @@
 """Distributed optimizer: aggregation bookkeeping for a parameter server.
 
-Re-creates the ``DistributedOptimizer`` of the seed system (pure in-memory,
+Re-creates the ``DistributedOptimizer`` of ipfrs (pure in-memory,
 float64) with its exact semantics and error texts, plus the fixes listed in
 ``docs/optimizer.md``: quorums count distinct workers, the synchronous mean
 uses only current-step updates of active workers, unequal lengths raise

@@ -1,10 +1,10 @@
 """DistributedOptimizer: in-memory bookkeeping that turns worker updates into aggregates.
 
 A parameter server (or any coordinator) registers workers, feeds it their
-per-layer gradient updates with :meth:`~DistributedOptimizer.submit_update`,
-asks :meth:`~DistributedOptimizer.try_aggregate` whether a layer is ready,
-and moves the global step on with :meth:`~DistributedOptimizer.advance_step`.
-The :class:`AggregationStrategy` decides when a layer is ready and which
+per-layer gradient updates with ``submit_update``,
+asks ``try_aggregate`` whether a layer is ready,
+and moves the global step on with ``advance_step``.
+The ``AggregationStrategy`` decides when a layer is ready and which
 pending updates are too old to use.
 
 Thread safety: one lock guards all state, so workers may submit from many
@@ -103,7 +103,7 @@ class DistributedOptimizer:
 
     @property
     def current_step(self) -> int:
-        """The global training step (read-only: it only moves through :meth:`advance_step`)."""
+        """The global training step (read-only: it only moves through ``advance_step``)."""
         return self._step
 
     @property
@@ -167,7 +167,7 @@ class DistributedOptimizer:
             return [w.snapshot() for w in self._workers.values() if w.active]
 
     def worker_state(self, worker_id: str) -> WorkerState:
-        """Snapshot of one worker, active or not; raises :class:`WorkerNotFound` if unknown."""
+        """Snapshot of one worker, active or not; raises ``WorkerNotFound`` if unknown."""
         wid = as_worker_id(worker_id)
         with self._lock:
             w = self._workers.get(wid)
@@ -190,11 +190,11 @@ class DistributedOptimizer:
     def submit_update(self, update: GradientUpdate, now: int) -> None:
         """Queue ``update`` for its layer; ``now`` (ms) becomes the worker's ``last_seen``.
 
-        Checks, in order: unknown worker (:class:`WorkerNotFound`); under the
+        Checks, in order: unknown worker (``WorkerNotFound``); under the
         asynchronous strategy, staleness above the threshold (counted as
-        dropped, :class:`StaleUpdate`); a length differing from the layer's
-        pending updates (:class:`DimensionMismatch`); NaN/Inf in the gradients
-        (:class:`NonFiniteUpdate`). A refused update changes nothing else. An
+        dropped, ``StaleUpdate``); a length differing from the layer's
+        pending updates (``DimensionMismatch``); NaN/Inf in the gradients
+        (``NonFiniteUpdate``). A refused update changes nothing else. An
         update for a (worker, layer, step) already pending replaces it.
         """
         if not isinstance(update, GradientUpdate):
@@ -244,7 +244,7 @@ class DistributedOptimizer:
         """Combine ``layer_id``'s pending updates if the strategy's quorum is met, else ``None``.
 
         On success the used updates leave the queue, too-old ones are dropped
-        (and counted), the result is kept for :meth:`last_aggregated`, and its
+        (and counted), the result is kept for ``last_aggregated``, and its
         ``step`` is the current step. Nothing changes when ``None`` is returned
         or when the mean raises.
         """
@@ -294,8 +294,8 @@ class DistributedOptimizer:
     def aggregate_gradients(updates: list[GradientUpdate], *, weights: list[float] | None = None) -> np.ndarray:
         """Element-wise mean of ``updates`` (weighted if ``weights``); empty for no or all-empty updates.
 
-        Unequal lengths raise :class:`DimensionMismatch` (the original padded
-        with zeros); NaN/Inf raise :class:`NonFiniteUpdate`.
+        Unequal lengths raise ``DimensionMismatch`` (the original padded
+        with zeros); NaN/Inf raise ``NonFiniteUpdate``.
         """
         return mean.combine(list(updates), weights)[0]
 
@@ -304,7 +304,7 @@ class DistributedOptimizer:
 
         Synchronous: updates of the finished step (workers that missed it)
         are dropped. Asynchronous: updates now beyond the staleness threshold
-        are dropped. Both are counted in :attr:`dropped_updates`.
+        are dropped. Both are counted in ``dropped_updates``.
         """
         with self._lock:
             self._step += 1

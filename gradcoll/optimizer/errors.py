@@ -1,6 +1,6 @@
-"""Errors raised by :class:`~gradcoll.optimizer.DistributedOptimizer`.
+"""Errors raised by [`DistributedOptimizer`][gradcoll.optimizer.DistributedOptimizer].
 
-All derive from :class:`OptimizerError` (a :class:`~gradcoll.GradcollError`).
+All derive from ``OptimizerError`` (a [`GradcollError`][gradcoll.errors.GradcollError]).
 The message texts of the three original errors are kept byte for byte
 (``worker not found: ID`` and so on); the values they mention are also
 attributes, so a handler never has to parse a message.
@@ -68,9 +68,9 @@ class DimensionMismatch(OptimizerError, ValueError):
 class NonFiniteUpdate(NonFiniteError, OptimizerError):
     """A worker's update holds NaN or +/-Inf; it was refused and nothing pending changed.
 
-    A :class:`~gradcoll.NonFiniteError` that also names the worker, layer and
+    A [`NonFiniteError`][gradcoll.errors.NonFiniteError] that also names the worker, layer and
     step. ``contributor`` is the update's position when it came from
-    :meth:`DistributedOptimizer.aggregate_gradients`, else ``None``.
+    ``DistributedOptimizer.aggregate_gradients``, else ``None``.
     """
 
     def __init__(

@@ -1,7 +1,7 @@
 """Combining updates: the element-wise (weighted) mean through gradcoll's fused kernel.
 
 The optimizer never adds gradients itself; it hands float64 rows to
-:func:`gradcoll.kernels.mean_reduce`, which sums them in a fixed order and
+[`gradcoll.kernels.mean_reduce`][gradcoll.kernels.mean_reduce], which sums them in a fixed order and
 checks the result for NaN/Inf in the same pass.
 """
 
@@ -66,7 +66,7 @@ def combine(
 
     Returns ``(values, normalised weights)``. ``values`` is a read-only float64
     array, empty when there are no updates or all are empty. Unequal lengths
-    raise :class:`DimensionMismatch`; a NaN/Inf raises :class:`NonFiniteUpdate`
+    raise ``DimensionMismatch``; a NaN/Inf raises ``NonFiniteUpdate``
     naming the update's worker, layer and position.
     """
     n = len(updates)

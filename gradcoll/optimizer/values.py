@@ -46,7 +46,7 @@ class WorkerId(str):
 
 
 def as_worker_id(value: Any) -> WorkerId:
-    """Return ``value`` as a :class:`WorkerId`; any ``str`` is accepted."""
+    """Return ``value`` as a ``WorkerId``; any ``str`` is accepted."""
     if isinstance(value, WorkerId):
         return value
     if not isinstance(value, str):
@@ -90,7 +90,7 @@ class GradientUpdate:
 
     ``gradients`` is stored as a read-only float64 copy; ``timestamp`` is the
     worker's own clock (ms) and is informational: liveness uses the ``now``
-    passed to :meth:`DistributedOptimizer.submit_update`.
+    passed to ``DistributedOptimizer.submit_update``.
     """
 
     worker_id: WorkerId
@@ -126,8 +126,8 @@ class GradientUpdate:
 class AggregationStrategy:
     """When and how pending updates of a layer are combined.
 
-    Build one with the constructors: :meth:`synchronous`,
-    :meth:`asynchronous`, :meth:`federated_average`, :meth:`gossip_average`.
+    Build one with the constructors: ``synchronous``,
+    ``asynchronous``, ``federated_average``, ``gossip_average``.
     Only the field of the chosen ``kind`` is set.
     """
 

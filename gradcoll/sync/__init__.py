@@ -1,16 +1,16 @@
 """Gradient sync service: peers of a session exchange gradients through one service.
 
-The re-creation of the original's ``GradientSyncService`` (SPEC.md section 4),
+The re-creation of ipfrs's ``GradientSyncService`` (docs/sync.md),
 made real: peers of a session really exchange gradients, ``min_peers`` and
 the timeout are honoured, chunks carry the real peer id and a CRC32, large
 gradients are stored as chunked blocks, and the FedAvg aggregate can be
 returned. See docs/sync.md.
 
-Layers, each usable alone: Arrow IPC encoding (:mod:`.arrow`), content-
-addressed block stores (:mod:`.blockstore`, :mod:`.manifest`), the
-accumulator (:mod:`.accumulator`), the in-process service (:mod:`.service`),
-and gRPC for peers in other processes (:mod:`.grpc_server`,
-:mod:`.grpc_client`; imported on first use, so only they need grpcio).
+Layers, each usable alone: Arrow IPC encoding (``gradcoll.sync.arrow``), content-
+addressed block stores (``gradcoll.sync.blockstore``, ``gradcoll.sync.manifest``), the
+accumulator (``gradcoll.sync.accumulator``), the in-process service (``gradcoll.sync.service``),
+and gRPC for peers in other processes (``gradcoll.sync.grpc_server``,
+``gradcoll.sync.grpc_client``; imported on first use, so only they need grpcio).
 pyarrow is needed only by the functions that encode or decode.
 """
 

@@ -1,9 +1,9 @@
 """Gradient accumulation for one sync session: commit, collect, aggregate.
 
-:class:`DistributedGradientAccumulator` keeps the local gradient and the
+``DistributedGradientAccumulator`` keeps the local gradient and the
 gradients of peers (fetched by cid from a block store) and aggregates them
 with FedAvg (mean), Sum or WeightedMean through gradcoll's fused kernel
-(:func:`gradcoll.kernels.mean_reduce`), so a NaN/Inf or a sum overflow is
+([`gradcoll.kernels.mean_reduce`][gradcoll.kernels.mean_reduce]), so a NaN/Inf or a sum overflow is
 caught in the same pass and reported with the peer that sent it.
 
 Where the original was loose, this is strict: a peer id can contribute once,
@@ -56,7 +56,7 @@ class AccumulatorConfig:
 
 
 def _as_aggregation(value: Aggregation | str) -> Aggregation:
-    """``value`` as an :class:`Aggregation`; a UsageError naming the choices when unknown."""
+    """``value`` as an ``Aggregation``; a UsageError naming the choices when unknown."""
     try:
         return Aggregation(value)
     except ValueError:

@@ -13,7 +13,7 @@ Loading is lenient where the format allows it (several batches are
 concatenated, the ``index`` column and any extra columns are ignored, as the
 original does) and strict where a silent wrong answer could follow: a
 missing ``value`` column, a ``value`` of another type, or nulls in it raise
-:class:`~gradcoll.errors.ProtocolError`.
+[`ProtocolError`][gradcoll.errors.ProtocolError].
 
 pyarrow is imported on first use, so ``import gradcoll`` works without it.
 """
@@ -81,7 +81,7 @@ def store_gradient_as_arrow(values: Any) -> bytes:
 def load_gradient_from_arrow(data: Any) -> np.ndarray:
     """Decode Arrow IPC file bytes to a new float32 array (batches concatenated).
 
-    Raises :class:`~gradcoll.errors.ProtocolError` for bytes that are not an
+    Raises [`ProtocolError`][gradcoll.errors.ProtocolError] for bytes that are not an
     Arrow IPC file, or whose ``value`` column is missing, not float32 or
     holds nulls.
     """

@@ -3,9 +3,9 @@
 A block's id (its *cid*) is the lowercase hex SHA-256 of its bytes, so a
 block is immutable, the same bytes always get the same id, and every read
 can prove it returns what was written: both stores hash the bytes on every
-``get`` and raise :class:`CorruptBlock` rather than return anything else.
+``get`` and raise ``CorruptBlock`` rather than return anything else.
 
-:class:`FileBlockStore` is the embedded default. Each block is one file,
+``FileBlockStore`` is the embedded default. Each block is one file,
 ``<root>/<cid[:2]>/<cid>``, written atomically (a temporary file in
 ``<root>/tmp``, flushed and fsynced, then renamed over the final name; the
 directory is fsynced too so the rename survives a crash). Several processes
@@ -16,7 +16,7 @@ processes should delete only blocks no one can still reference.
 
 Stores refuse blocks over ``max_block_size`` (4 MiB by default); large
 gradients are split into chunk blocks under a manifest
-(:mod:`gradcoll.sync.manifest`), so gradient size is not limited by it.
+(``gradcoll.sync.manifest``), so gradient size is not limited by it.
 """
 
 from __future__ import annotations

@@ -1,7 +1,7 @@
 """GradientSyncClient: the in-process service's API, served by a remote process over gRPC.
 
 ``sync_gradients(request, sink)``, ``stream(request)`` and ``collect(request)``
-behave as on :class:`~gradcoll.sync.GradientSyncService`, with the same
+behave as on ``GradientSyncService``, with the same
 objects and the same exceptions: the server's ``gradcoll-error`` trailing
 metadata names the class to raise. Every chunk's CRC32 is checked as it
 arrives. A request without ``peer_id`` gets one here (host, pid, random), so

@@ -2,7 +2,7 @@
 
 Method ``/gradcoll.sync.GradientSync/SyncGradients`` takes one request
 message and streams chunk messages then one summary message, all in the
-:mod:`gradcoll.sync.wire` format. It is registered with grpcio's generic
+``gradcoll.sync.wire`` format. It is registered with grpcio's generic
 handlers on a ``grpc.aio`` server, so every waiting peer costs a coroutine,
 not a thread. The server binds 127.0.0.1 unless told otherwise; with a
 ``token`` it refuses (UNAUTHENTICATED) every call whose ``authorization``

@@ -101,7 +101,7 @@ def put_gradient(store: BlockStore, values: Any, *, chunk_elements: int = CHUNK_
 def write_gradient(
     store: BlockStore, values: Any, *, chunk_elements: int = CHUNK_ELEMENTS
 ) -> tuple[str, GradientManifest, tuple[int, ...]]:
-    """Like :func:`put_gradient`, also returning the manifest and each chunk's CRC32."""
+    """Like ``put_gradient``, also returning the manifest and each chunk's CRC32."""
     if not _is_count(chunk_elements) or chunk_elements < 1:
         raise UsageError(f"chunk_elements must be a positive int, got {chunk_elements!r}")
     vec = _as_float32_vector(values)

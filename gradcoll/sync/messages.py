@@ -2,10 +2,10 @@
 
 Requests, chunks and summaries are frozen dataclasses shared by the
 in-process service and the gRPC client, so both hand out the same objects.
-:func:`reassemble` rebuilds one peer's gradient from its chunks, in any
+``reassemble`` rebuilds one peer's gradient from its chunks, in any
 order, refusing duplicates, gaps and checksum failures;
-:class:`SyncStream` is the async iterator both front ends return, with the
-stream's :class:`SyncSummary` available once it is exhausted.
+``SyncStream`` is the async iterator both front ends return, with the
+stream's ``SyncSummary`` available once it is exhausted.
 """
 
 from __future__ import annotations
@@ -68,7 +68,7 @@ class GradientSyncRequest:
     """Join sync session ``session_id`` with ``local_gradient`` (Arrow IPC bytes).
 
     Waits for ``min_peers`` other peers or ``timeout_secs``; ``strict=True``
-    turns a timeout into :class:`~gradcoll.errors.CollectiveTimeout`.
+    turns a timeout into [`CollectiveTimeout`][gradcoll.errors.CollectiveTimeout].
     ``peer_id`` names the caller (generated when None; "local" is reserved).
     """
 

@@ -13,11 +13,11 @@ A call (``sync_gradients``, ``stream`` or ``collect``) does, in order:
 5. stream the caller's gradient as peer "local", then every other member's
    under its real peer id, in join order, each as chunks of 65,536 elements
    read back from the store (hash-verified) and carrying a CRC32;
-6. end with a :class:`~gradcoll.sync.SyncSummary` (who, how many, timed out).
+6. end with a ``SyncSummary`` (who, how many, timed out).
 
 ``min_peers=0`` is the original's behaviour: the caller's gradient alone, as
 "local". Peers in other processes reach the same service over gRPC
-(:mod:`gradcoll.sync.grpc_server`); the registry is thread-safe, so one
+(``gradcoll.sync.grpc_server``); the registry is thread-safe, so one
 service may serve several event loops.
 """
 

@@ -1,9 +1,9 @@
 """The session registry: who has committed what to which sync session.
 
-One registry lives in each :class:`~gradcoll.sync.GradientSyncService`.
+One registry lives in each ``GradientSyncService``.
 A member is a peer id and the manifest cid of its committed gradient.
 Waiting for peers is event-driven, never polled: a waiter parks on an
-:class:`asyncio.Event` of its own loop and every join wakes the waiters of
+``asyncio.Event`` of its own loop and every join wakes the waiters of
 that session through ``loop.call_soon_threadsafe``. State is guarded by one
 ``threading.Lock``, so callers on different threads and event loops (a gRPC
 server thread, a test's ``asyncio.run``) can share one service.

@@ -1,6 +1,6 @@
 """Bytes of the sync RPC (sans-I/O): requests, chunks and summaries to and from bytes.
 
-gRPC already delimits messages, so a message is just::
+gRPC already delimits messages, so a message is just:
 
     4 bytes  magic  b"GCSQ" (request) | b"GCSR" (response)
     1 byte   kind   1 = request, 2 = chunk, 3 = summary
@@ -12,7 +12,7 @@ Header fields: request ``session_id, min_peers, timeout_secs, peer_id,
 strict``; chunk ``session_id, chunk_index, total_chunks, peer_id,
 checksum``; summary ``session_id, peer_id, min_peers, peers, timed_out,
 elements``. Every decoder checks every field's type and range and raises
-:class:`~gradcoll.errors.ProtocolError` for anything malformed, never another
+[`ProtocolError`][gradcoll.errors.ProtocolError] for anything malformed, never another
 exception. No socket or grpc object in here.
 """
 

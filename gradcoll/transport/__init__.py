@@ -1,4 +1,4 @@
-"""Transports: point-to-point byte links between ranks (see :mod:`gradcoll.transport.base`)."""
+"""Transports: point-to-point byte links between ranks (see ``gradcoll.transport.base``)."""
 
 from .base import Deadline, Request, Transport
 

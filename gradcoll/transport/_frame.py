@@ -2,24 +2,24 @@
 
 Byte-stream transports (``tcp``, ``shm``) put a 24-byte header before every
 payload so a receiver can check, before trusting the bytes, that it gets
-exactly the message it expects::
+exactly the message it expects:
 
     u8 kind | 3 pad | u32 tag | u64 seq | u64 length      (little-endian)
 
-``kind`` is :data:`DATA` for a message, :data:`CLOSE` for an orderly close or
-:data:`ABORT` when the sender dropped the link after an error (its ``tag``
+``kind`` is ``DATA`` for a message, ``CLOSE`` for an orderly close or
+``ABORT`` when the sender dropped the link after an error (its ``tag``
 holds an ``ABORT_*`` reason code); nothing follows CLOSE or ABORT. ``seq``
 counts messages per ordered pair from 0. The TCP handshake is a 32-byte
-:data:`HELLO` record. See ``docs/wire.md``.
+``HELLO`` record. See ``docs/wire.md``.
 
 A receive finds exactly the tag and length it expects, or the link is
 dropped with an ABORT, except between *lenient* tags (``>= LENIENT_TAG``,
 the collectives' own): there the unexpected frame is read in whole, the
-receive fails with :class:`FrameMismatch` carrying it, and the link stays in
+receive fails with ``FrameMismatch`` carrying it, and the link stays in
 step. That is how a collective learns of another rank's different call or
 alarm without losing the link it needs to agree on the error.
 
-The codec below is sans-I/O. :class:`FramedTransport` is the part both
+The codec below is sans-I/O. ``FramedTransport`` is the part both
 transports share and that still touches no socket or segment: per-peer
 send/receive queues, sequence numbers, the one-driver-at-a-time wait loop,
 timeouts and sticky link failures. Subclasses supply ``_push``/``_pull`` (move
@@ -68,7 +68,7 @@ MAX_TAG = 2**31 - 2
 
 #: Tags from here up are *lenient*: when a receive posted with a lenient tag meets
 #: a frame with another lenient tag or length, the frame is consumed and the
-#: receive fails with :class:`FrameMismatch` carrying it; the link stays usable.
+#: receive fails with ``FrameMismatch`` carrying it; the link stays usable.
 #: Collectives use these so a mismatch or an alarm never costs the link.
 LENIENT_TAG = 1 << 30
 

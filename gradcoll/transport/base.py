@@ -10,18 +10,18 @@ Contract (checked by ``gradcoll.testing.check_transport``):
   they were sent. Each message carries a small header: a per-pair sequence
   number, the ``tag`` and the byte length. ``recv`` must find exactly the
   tag and length it expects; anything else raises
-  :class:`~gradcoll.errors.CollectiveMismatch` naming both sides (mixed-up
+  [`CollectiveMismatch`][gradcoll.errors.CollectiveMismatch] naming both sides (mixed-up
   collectives are detected, never silently mixed).
 * Buffers are anything exposing the buffer protocol (NumPy arrays,
   ``bytearray``, ``memoryview``); ``recv`` writes into the caller's
   preallocated buffer. Nothing is pickled on the data path.
 * Every blocking call takes ``timeout`` in seconds (``None`` means the
   transport's ``timeout``). Running out of time raises
-  :class:`~gradcoll.errors.CollectiveTimeout` naming the rank and the peer.
-* A peer that closed its end raises :class:`~gradcoll.errors.TransportClosed`;
+  [`CollectiveTimeout`][gradcoll.errors.CollectiveTimeout] naming the rank and the peer.
+* A peer that closed its end raises [`TransportClosed`][gradcoll.errors.TransportClosed];
   a peer that died or a link that broke raises
-  :class:`~gradcoll.errors.TransportBroken`. Neither ever hangs.
-* ``isend``/``irecv`` start an operation and return a :class:`Request`;
+  [`TransportBroken`][gradcoll.errors.TransportBroken]. Neither ever hangs.
+* ``isend``/``irecv`` start an operation and return a ``Request``;
   the buffer must not be touched until ``Request.wait`` returns.
   ``sendrecv`` is full-duplex (a ring sends right while it receives from the
   left) and never deadlocks when both peers call it at once.

@@ -1,6 +1,6 @@
 """In-process transport: the ranks are threads of one process.
 
-Every ordered pair of ranks (src, dst) has one :class:`_Pair`: a FIFO of
+Every ordered pair of ranks (src, dst) has one ``_Pair``: a FIFO of
 messages sent but not yet matched and a FIFO of receives posted but not yet
 matched. A send that finds a posted receive copies straight into the
 receiver's buffer (one copy); otherwise it copies the payload into a private
@@ -12,17 +12,17 @@ Matching is strictly in order per pair, like MPI with one communicator: the
 n-th receive posted for a pair gets the n-th message sent on it. The message
 header (per-pair sequence number, tag, length) is checked on delivery; a
 different tag or length fails that receive with
-:class:`~gradcoll.errors.CollectiveMismatch` naming both sides (a
-:class:`~gradcoll.transport._frame.FrameMismatch` carrying the message when
+[`CollectiveMismatch`][gradcoll.errors.CollectiveMismatch] naming both sides (a
+``FrameMismatch`` carrying the message when
 both tags are lenient, as in the framed transports).
 
 ``close()`` on one rank makes every receive from it that cannot be served
 from messages it already sent, and every later send to it, raise
-:class:`~gradcoll.errors.TransportClosed` on the peer; the closing rank's own
+[`TransportClosed`][gradcoll.errors.TransportClosed] on the peer; the closing rank's own
 pending receives fail the same way. Nothing ever blocks past its timeout.
 
-Worlds are created directly with :func:`create_world`, or by ``size`` threads
-calling :func:`create` with one shared store. :func:`create` needs to hand the
+Worlds are created directly with ``create_world``, or by ``size`` threads
+calling ``create`` with one shared store. ``create`` needs to hand the
 world object from rank 0's thread to the others; the store can only carry
 bytes, so rank 0 registers the world under a random id in ``_WORLDS``, a
 module-level weak registry (the one piece of module state here: an entry
@@ -47,7 +47,7 @@ from .base import Deadline, Request, Transport, as_bytes_view, as_writable_view
 
 __all__ = ["InprocTransport", "InprocWorld", "create_world", "create"]
 
-#: world id -> InprocWorld, for :func:`create` (weak: see the module docstring).
+#: world id -> InprocWorld, for ``create`` (weak: see the module docstring).
 _WORLDS: "weakref.WeakValueDictionary[str, InprocWorld]" = weakref.WeakValueDictionary()
 _WORLDS_LOCK = threading.Lock()
 
@@ -133,7 +133,7 @@ class _Pair:
 
 
 class InprocWorld:
-    """The shared state of ``size`` in-process ranks: one :class:`_Pair` per ordered pair."""
+    """The shared state of ``size`` in-process ranks: one ``_Pair`` per ordered pair."""
 
     def __init__(self, size: int) -> None:
         if size < 1:
@@ -164,7 +164,7 @@ class InprocWorld:
 
 
 class InprocTransport(Transport):
-    """One rank's endpoint in an :class:`InprocWorld`."""
+    """One rank's endpoint in an ``InprocWorld``."""
 
     name = "inproc"
     #: Receives with tags >= LENIENT_TAG report a mismatch with the message attached.

@@ -1,12 +1,12 @@
 """MPI transport over mpi4py (optional: ``pip install gradcoll[mpi]`` plus a system MPI).
 
-:func:`create` duplicates the communicator (``COMM_WORLD`` by default), so
+``create`` duplicates the communicator (``COMM_WORLD`` by default), so
 gradcoll's traffic never matches anyone else's receives. Sends are
 ``Isend`` of the caller's buffer; user tags are MPI tags. Receives match the
 next message from the peer whatever its tag (MPI keeps messages between a
 pair in order), look at its envelope with a matched probe (``improbe``) and
 only then receive it into the caller's buffer with ``Irecv``, so a wrong tag
-or length is reported exactly (:class:`~gradcoll.errors.CollectiveMismatch`)
+or length is reported exactly ([`CollectiveMismatch`][gradcoll.errors.CollectiveMismatch])
 instead of truncating. Two reserved tags above the user range carry an
 orderly close and an abort. Waits poll the requests (spin, then yield, then
 short sleeps) under a lock, so threads may share a transport, and every wait
@@ -241,7 +241,7 @@ def create(store: Store | None, rank: int, size: int, *, timeout: float = 300.0,
 
     MPI bootstraps itself, so ``store`` is not used (pass ``None``);
     ``rank`` and ``size`` must agree with the communicator. Raises
-    :class:`~gradcoll.errors.BackendUnavailable` without mpi4py.
+    [`BackendUnavailable`][gradcoll.errors.BackendUnavailable] without mpi4py.
     """
     MPI = _import_mpi()
     base = MPI.COMM_WORLD if comm is None else comm

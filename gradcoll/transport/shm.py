@@ -4,7 +4,7 @@ Each pair of ranks shares one segment, a file in ``/dev/shm`` that both map
 (``mmap`` directly, so Python's ``resource_tracker`` never sees it). It holds
 a 4 KiB control block and two single-producer/single-consumer rings, one
 per direction. Control block, in u64 words, counters on their own cache
-lines::
+lines:
 
     0 magic | 1 ring capacity | 2 creator pid | 3 attacher pid
     16 head of ring 0 (low -> high rank)  | 24 tail of ring 0
@@ -14,8 +14,8 @@ lines::
 ``head``/``tail`` count bytes ever written/consumed; the producer copies
 bytes in and only then stores ``head``, the consumer copies out and then
 stores ``tail``. That ordering is all the synchronisation there is, which is
-correct under x86-64's total store order; :func:`create` refuses other CPUs.
-A message is a :mod:`~gradcoll.transport._frame` header followed by its
+correct under x86-64's total store order; ``create`` refuses other CPUs.
+A message is a ``gradcoll.transport._frame`` header followed by its
 payload, streamed through the ring in pieces when larger than the ring; a
 header never wraps (the producer skips the ring's last bytes instead).
 
@@ -33,7 +33,7 @@ is bounded by its deadline. A dead peer is noticed through a ``lockf`` lock
 each side holds on its own byte of the segment file (released by the kernel
 when the process dies, even as a zombie); an orderly close through the
 state words. Segments are named ``gcshm-<creator pid>-<token>-<lo>-<hi>``,
-unlinked as soon as the peer has mapped them, and :func:`create` removes
+unlinked as soon as the peer has mapped them, and ``create`` removes
 stale ones whose creator is dead.
 """
 
@@ -329,7 +329,7 @@ def create(
     direction, rounded up to a page) and publishes its name under
     ``{key_prefix}/{lo}-{hi}``; the higher rank maps it, unlinks the name and
     confirms. ``shm_dir`` defaults to ``/dev/shm``. Use a fresh
-    :class:`~gradcoll.store.PrefixStore` per group. ``timeout`` bounds the
+    [`PrefixStore`][gradcoll.store.PrefixStore] per group. ``timeout`` bounds the
     bootstrap and becomes the transport's default timeout.
     """
     if size < 1 or not 0 <= rank < size:

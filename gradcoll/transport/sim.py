@@ -1,19 +1,19 @@
 """Simulated transport: the real algorithm code on many ranks, virtual clocks instead of bytes.
 
-:func:`simulate` runs one real allreduce (``gradcoll.algorithms.ALLREDUCE``)
-on ``n`` threads of this process over :class:`SimTransport` and returns each
-rank's virtual finishing time under an :class:`~gradcoll.costmodel.AlphaBeta`
+``simulate`` runs one real allreduce (``gradcoll.algorithms.ALLREDUCE``)
+on ``n`` threads of this process over ``SimTransport`` and returns each
+rank's virtual finishing time under an ``AlphaBeta``
 model. What is real and what is simulated:
 
 * **Real**: the algorithm's whole control flow - which rank sends which
   chunk to whom, in which order, with which tags and lengths, the waits, the
   fold/unfold of recursive doubling, the star's root, the ring's schedule.
   Tags and lengths are checked as by every transport (a mismatch raises
-  :class:`~gradcoll.errors.CollectiveMismatch`).
+  [`CollectiveMismatch`][gradcoll.errors.CollectiveMismatch]).
 * **Not moved**: payloads. ``isend`` records only (tag, length, virtual
   arrival time); ``irecv`` leaves the receive buffer untouched. So results
   are meaningless and the run uses ``op="sum"``, ``check_finite=False``.
-* **Skipped kernels**: while :func:`simulate` runs, ``kernels.accumulate``
+* **Skipped kernels**: while ``simulate`` runs, ``kernels.accumulate``
   and ``kernels.mean_reduce`` are replaced (for the simulation's threads
   only; other threads get the real kernels) by stubs that do not compute and
   instead advance the calling rank's clock by ``gamma`` times the bytes of
@@ -51,11 +51,11 @@ touched only by its own rank's thread, so a run is deterministic):
   fraction ``max(0, 1 - cache_bytes / S)`` of the buffer that does not fit,
   and ``l2`` on the fraction ``max(0, 1 - l2_bytes / (4 m))`` of a copy or
   reduction of one message of ``m`` bytes that does not fit in the core's
-  own cache (:func:`gradcoll.costmodel.out_of_l2`; ``m`` is the message the
+  own cache (``gradcoll.costmodel.out_of_l2``; ``m`` is the message the
   operation copies, or the incoming contribution it reduces).
 
 Under these rules the times equal the closed forms of
-:func:`gradcoll.costmodel.predict` with ``node=None`` (the ring run with one
+``gradcoll.costmodel.predict`` with ``node=None`` (the ring run with one
 segment per chunk, the default here), when ``beta`` or ``delta`` is zero:
 with both, the closed form adds the star root's link time and copy time,
 while here its copy out of one message overlaps the next one's arrival.
@@ -117,7 +117,7 @@ class SimWorld:
         self.model = model
         self.scale = scale
         #: CPU seconds per reduced and per copied byte, the node's cache term included (the per-core one, which
-        #: depends on the message, is added per operation: :meth:`l2`).
+        #: depends on the message, is added per operation: ``l2``).
         self.gamma = model.gamma_s_per_byte + model.mem_s_per_byte * out_of_cache
         self.delta = model.delta_s_per_byte + model.mem_s_per_byte * out_of_cache
         #: The part of a copy's cost a streaming receiver can hide (its core's, not the memory's).
@@ -192,7 +192,7 @@ class _RecvReq(Request):
 
 
 class SimTransport(Transport):
-    """One rank of a :class:`SimWorld`: moves headers, advances virtual clocks."""
+    """One rank of a ``SimWorld``: moves headers, advances virtual clocks."""
 
     name = "sim"
     #: Allreduces carry their descriptor in the tags (no handshake round, which would need payloads).

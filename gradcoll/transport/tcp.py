@@ -1,6 +1,6 @@
 """TCP transport: one socket per pair of ranks, driven by the caller's thread.
 
-Bootstrap (:func:`create`): every rank that has higher peers listens and
+Bootstrap (``create``): every rank that has higher peers listens and
 publishes ``host port token`` in the store; every rank dials each lower rank,
 so each pair gets exactly one connection. A 32-byte handshake (magic,
 version, rank, world size, the listener's random token) refuses strangers,
@@ -17,7 +17,7 @@ deadlock. Receives land directly in the caller's buffer (``recvmsg_into`` /
 ``recv_into``, no staging copy).
 
 Queues, ordering, timeouts and the one-driver-at-a-time waiting live in
-:class:`~gradcoll.transport._frame.FramedTransport`; a socketpair wakes the
+``FramedTransport``; a socketpair wakes the
 driver when another thread queues work. Frame format: ``docs/wire.md``.
 """
 
@@ -283,7 +283,7 @@ def create(
     Every rank with higher peers listens on ``host`` (an ephemeral port) and
     publishes its address under ``{key_prefix}/{rank}``; each rank then dials
     every lower rank and accepts every higher one. Use a fresh
-    :class:`~gradcoll.store.PrefixStore` per group so stale addresses of an
+    [`PrefixStore`][gradcoll.store.PrefixStore] per group so stale addresses of an
     earlier group are never read. ``timeout`` bounds the whole bootstrap and
     becomes the transport's default timeout.
     """
