@@ -1,5 +1,10 @@
 """A coordinator and N worker processes train a small classifier with gradcoll's GradientServer / WorkerClient.
 
+The coordinator/worker protocol is entrenar's: entrenar is a Rust library
+for training and fine-tuning models whose distributed fine-tuning runs one
+coordinator and N workers over TCP, and gradcoll's GradientServer and
+WorkerClient speak its bytes (docs/coordinator.md).
+
 Run ``python examples/coordinator_cluster.py`` (2 workers) or with
 ``--workers 4 --steps 80 --blocks 3``. The model is a residual MLP laid out
 like entrenar's transformer: an embedding, ``--blocks`` residual blocks and

@@ -1,6 +1,6 @@
 """GradientServer + WorkerClient over real sockets on 127.0.0.1, workers as threads: parity and behaviour.
 
-Parity cases come from entrenar's own tests (SPEC §1). The helpers at the top
+Parity cases are entrenar's own tests (docs/coordinator.md). The helpers at the top
 (``Workers``, ``RawWorker``) are shared with the other coordinator test files.
 """
 

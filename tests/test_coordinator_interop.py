@@ -1,7 +1,7 @@
 """Byte compatibility with entrenar: raw-socket peers that speak only protocol v1, written out by hand.
 
 There is no Rust peer here, so each side of the claim is shown with a fake
-that reads and writes exact bytes (SPEC §1): an entrenar worker in a gradcoll
+that reads and writes exact bytes (docs/wire.md): an entrenar worker in a gradcoll
 cluster (next to a gradcoll worker), and a gradcoll worker joining an
 entrenar coordinator. Neither fake ever sees a gradcoll-only frame: no
 heartbeat, no Abort, no auth. The fakes leave a short window open where a

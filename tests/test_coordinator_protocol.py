@@ -1,4 +1,4 @@
-"""Coordinator protocol v1, bytes only: hand-written frames from SPEC §1, decoding errors, the frame cap.
+"""Coordinator protocol v1, bytes only: hand-written frames from docs/wire.md, decoding errors, the frame cap.
 
 No sockets here: the codec is sans-I/O, so every test pushes bytes into a
 FrameDecoder (often one byte at a time) and compares what comes out.
@@ -48,7 +48,7 @@ def h(text: str) -> bytes:
 F1, F2, F3, F1_5, F2_5, FM1, F0_5 = "0000803f", "00000040", "00004040", "0000c03f", "00002040", "000080bf", "0000003f"
 NAN, NEG0, INF, NINF = "0000c07f", "00000080", "0000807f", "000080ff"
 
-# (message, its frame as written by hand from SPEC §1's table)
+# (message, its frame as written by hand from the table in docs/wire.md)
 FRAMES = [
     (JoinRequest("n1", 2, "cpu"), h("""
         00000012            # length 18, BIG-endian

@@ -43,7 +43,7 @@ def make(strategy: AggregationStrategy, *workers: str) -> DistributedOptimizer:
 
 
 # --------------------------------------------------------------------------
-# Parity: the original's tests and documented behaviour (SPEC section 2)
+# Parity: the original's tests and documented behaviour (docs/optimizer.md)
 # --------------------------------------------------------------------------
 
 

@@ -2,7 +2,7 @@
 
 The state machine drives register/deregister/reactivate/submit/aggregate/
 advance/evict (and strategy switches) and checks after every step that the
-optimizer agrees with a plain-Python model of SPEC section 2 plus the
+optimizer agrees with a plain-Python model of the original's semantics plus the
 documented departures, that counters never go backwards, that ``stats()``
 agrees with the individual getters, and that every aggregate is the NumPy
 (weighted) mean of exactly the updates it reports, each used at most once.
