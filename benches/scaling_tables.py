@@ -75,23 +75,29 @@ def plot(path: str) -> None:
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
+    from matplotlib.lines import Line2D
 
     sizes = [1 << k for k in range(20, 31)]
-    fig, axes = plt.subplots(1, 2, figsize=(11, 4.2), sharey=False)
+    ranks = dict(zip((8, 128, 1024), ("-", "--", ":"), strict=True))
+    colors = dict(zip(ALGORITHMS, ("C0", "C1", "C2"), strict=True))
+    # One legend per panel: colour is the algorithm, line style the world size.
+    handles = [Line2D([], [], color=c, label=SHORT[a]) for a, c in colors.items()]
+    handles += [Line2D([], [], color="k", linestyle=st, label=f"{n} ranks") for n, st in ranks.items()]
+    fig, axes = plt.subplots(1, 2, figsize=(9, 3.9), sharey=False)
     for ax, (name, m) in zip(axes, LINKS.items(), strict=True):
-        for n, style in zip((8, 128, 1024), ("-", "--", ":"), strict=True):
-            for a, color in zip(ALGORITHMS, ("C0", "C1", "C2"), strict=True):
-                ax.plot(sizes, [busbw(s, n, predict(a, n, s, m)) / 1e9 for s in sizes], style, color=color,
-                        label=f"{SHORT[a]}, {n} ranks")
+        for n, style in ranks.items():
+            for a, color in colors.items():
+                ax.plot(sizes, [busbw(s, n, predict(a, n, s, m)) / 1e9 for s in sizes], style, color=color)
         ax.set_xscale("log", base=2)
         ax.set_yscale("log")
         ax.set_title(f"{name}: predicted busbw")
         ax.set_xlabel("buffer size (bytes)")
         ax.set_ylabel("busbw (GB/s)")
         ax.grid(True, alpha=0.3)
-    axes[1].legend(fontsize=7, ncol=1, loc="lower right")
+        # Centre right is clear in both panels: between the star's 8-rank and 128-rank lines.
+        ax.legend(handles=handles, fontsize=9, ncol=2, loc="center right")
     fig.tight_layout()
-    fig.savefig(path, dpi=100)
+    fig.savefig(path, dpi=120)
 
 
 def main() -> int:
