@@ -11,7 +11,6 @@ Usage: ``python benches/bench_precision.py [--ranks 4] [--algorithm ring] [--bac
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import statistics
 import subprocess
@@ -23,6 +22,7 @@ from typing import Any
 
 import numpy as np
 
+from gradcoll.bench import load_rows
 from gradcoll.group import ProcessGroup
 from gradcoll.transport.inproc import create_world
 
@@ -59,9 +59,8 @@ def timed_procs(n: int, backend: str, algorithm: str, iters: int, mode: list[str
         subprocess.run([sys.executable, "-m", "gradcoll", "bench", "-n", str(n), "--backend", backend, "--algorithm",
                         algorithm, "--min-size", "1M", "--max-size", "64M", "--iters", str(iters), "--json", path, *mode],
                        check=True, stdout=subprocess.DEVNULL)
-        with open(path) as f:
-            rows = json.load(f)
-    return {r["size"] >> 20: r["time_med_us"] * 1e-6 for r in rows if r["wrong"] == 0}
+        rows = load_rows(path)
+    return {r["size"] >> 20: r["iter_median_us_avg_over_ranks"] * 1e-6 for r in rows if r["wrong"] == 0}
 
 
 def main() -> None:

@@ -28,7 +28,8 @@ the smallest size the error target (25%) applies to and the fit uses.
 least 1), so that a rank's threaded reduction kernel does not take the cores
 of the other ranks (the model gives each rank its share of the node), and
 ``--iters`` iterations per size (errors are on the median iteration,
-``time_med_us``, where the rows have it); ``--repeat`` runs every bench
+``iter_median_us_avg_over_ranks``, where the rows have it; ``time_med_us`` in
+files written before that name); ``--repeat`` runs every bench
 that many times and keeps, per row, the median of the runs. ``--write`` stores the models in
 ``gradcoll/costmodel_fitted.json``, from which ``select_allreduce`` derives
 its thresholds.
@@ -46,7 +47,7 @@ import sys
 from dataclasses import asdict
 from typing import Any
 
-from gradcoll.bench import parse_size
+from gradcoll.bench import load_rows, parse_size
 from gradcoll.costmodel import ALGORITHMS, FITTED_PATH, AlphaBeta, Node, fit, predict
 
 HERE = os.path.dirname(os.path.abspath(__file__))
@@ -54,6 +55,8 @@ STORED = os.path.join(HERE, "results", "costmodel")
 #: Parameters fitted for loopback transports (no link: beta stays 0).
 LOOPBACK = ("alpha_s", "switch_s", "gamma_s_per_byte", "delta_s_per_byte", "mem_s_per_byte", "l2_s_per_byte", "wait_share")
 CACHES = [float(1 << k) for k in range(19, 27)]  # 512 KiB .. 64 MiB
+#: The fields of a ``gradcoll bench`` row fitted: the median iteration, else the mean one (each averaged over the ranks).
+MEDIAN, MEAN = "iter_median_us_avg_over_ranks", "iter_mean_us_avg_over_ranks"
 
 
 def measure(out_dir: str, ranks: list[int], transports: list[str], lo: str, hi: str, iters: int = 30,
@@ -62,8 +65,8 @@ def measure(out_dir: str, ranks: list[int], transports: list[str], lo: str, hi: 
 
     With ``repeat`` > 1 every bench runs that many times (interleaved: all
     algorithms once, then again) and each row keeps the median over the runs
-    of ``time_med_us`` and ``time_avg_us``, with the runs' medians in
-    ``runs_time_med_us``: 4 ranks on 2 cores differ from one run to the next
+    of ``iter_median_us_avg_over_ranks`` and ``iter_mean_us_avg_over_ranks``, with
+    the runs' medians in ``runs_iter_median_us_avg_over_ranks``: 4 ranks on 2 cores differ from one run to the next
     by up to a third at 64 KiB-2 MiB, whatever the iterations per run.
     """
     os.makedirs(out_dir, exist_ok=True)
@@ -82,8 +85,7 @@ def measure(out_dir: str, ranks: list[int], transports: list[str], lo: str, hi: 
                         sys.executable, "-m", "gradcoll", "bench", "-n", str(n), "--backend", be, "--algorithm", algo,
                         "--min-size", lo, "--max-size", hi, "--iters", str(iters), "--warmup", str(warmup),
                         "--json", path])
-                    with open(path) as f:
-                        runs[algo].append(json.load(f))
+                    runs[algo].append(load_rows(path))
             for algo, got in runs.items():
                 rows = []
                 for same in zip(*got, strict=True):
@@ -91,8 +93,8 @@ def measure(out_dir: str, ranks: list[int], transports: list[str], lo: str, hi: 
                     r["cores"], r["numba_threads"] = cores, threads  # where it ran: every rank on this host
                     r["l2_bytes"] = l2  # its per-core cache
                     if repeat > 1:
-                        r["runs_time_med_us"] = [x["time_med_us"] for x in same]
-                        for k in ("time_med_us", "time_avg_us"):
+                        r["runs_iter_median_us_avg_over_ranks"] = [x[MEDIAN] for x in same]
+                        for k in (MEDIAN, MEAN):
                             r[k] = statistics.median(x[k] for x in same)
                     rows.append(r)
                 path = os.path.join(out_dir, f"{be}_{algo}_{n}.json")
@@ -142,7 +144,7 @@ def wait_busy(rows: list[dict[str, Any]]) -> float:
 
 
 def time_key(rows: list[dict[str, Any]]) -> str:
-    return "time_med_us" if all("time_med_us" in r for r in rows) else "time_avg_us"
+    return MEDIAN if all(MEDIAN in r for r in rows) else MEAN
 
 
 def node_of(r: dict[str, Any]) -> Node | None:
@@ -246,8 +248,7 @@ def main() -> int:
         a.files or sorted(glob.glob(os.path.join(STORED, "*.json"))))
     rows: list[dict[str, Any]] = []
     for p in paths:
-        with open(p) as f:
-            rows.extend(json.load(f))
+        rows.extend(load_rows(p))  # files written before the current field names too
     res = report(rows, parse_size(a.min_size), a.fit_ranks, a.verbose)
     if a.json_path:
         with open(a.json_path, "w") as f:

@@ -3,14 +3,38 @@
 The driver launches N ranks ([`gradcoll.launch.launch`][gradcoll.launch.launch]); each rank
 sweeps the sizes, times ``iters`` allreduces after ``warmup`` ones, checks
 the result against the exact expected mean (#wrong) and reports one JSON line
-per size. The driver renders a progress bar and the table: size, count,
-dtype, algorithm, transport, time avg/min/max across ranks (of each rank's
-mean over the timed iterations), algbw and busbw (busbw = algbw x 2(n-1)/n,
-as nccl-tests define it), #wrong. ``--json`` keeps
-the rows, which also carry ``time_med_us``: the median of a rank's
-per-iteration times, averaged across ranks (robust to a few iterations
-slowed by other load on the machine); ``--plot`` draws busbw against size
-(needs matplotlib).
+per size. The driver renders a progress bar and the table; `--json` keeps the
+rows and `--plot` draws busbw against size (`pip install 'gradcoll[plot]'`).
+Sizes are bytes, plain (`4096`) or with a binary suffix (`4K`, `1M`, `1G`).
+
+Each rank times every one of the `iters` calls. Two statistics of those
+per-call times are taken on each rank (their mean and their median over the
+iterations), then one over the ranks; the field names say both, statistic
+over the iterations first. The fields of a row (the table's columns in
+brackets):
+
+* `size` (`size (B)`), `count` (`count`), `dtype` (`type`): the buffer of
+  each rank, float32.
+* `algorithm` (`algo`): the allreduce algorithm that ran, as the group
+  recorded it (with `--algorithm auto`, the one `auto` picked for this
+  size); `algorithm_requested`: the `--algorithm` given.
+* `mode` (`plain`, `deterministic`, `bf16 wire`, `fp16 wire`), `transport`
+  (`transport`), `ranks`, `iters`.
+* `iter_mean_us_avg_over_ranks`, `iter_mean_us_min_over_ranks`,
+  `iter_mean_us_max_over_ranks` (`time avg/min/max (us)`): each rank's mean
+  time per call in microseconds, averaged over, or the least or greatest
+  of, the ranks.
+* `iter_median_us_avg_over_ranks`: each rank's median time per call,
+  averaged over the ranks. Robust to a few calls slowed by other load on the
+  machine, so it can be below `iter_mean_us_min_over_ranks`.
+* `algbw_GBps` (`algbw (GB/s)`): `size` / `iter_mean_us_max_over_ranks`, in
+  1e9 bytes per second; `busbw_GBps` (`busbw (GB/s)`): algbw x 2(n-1)/n, as
+  nccl-tests define it.
+* `wrong` (`#wrong`): elements that differ from the exact mean, summed over
+  the ranks.
+
+Files written before these names (`time_avg_us`, `time_min_us`,
+`time_max_us`, `time_med_us`) are read by `load_rows` under the new ones.
 """
 
 from __future__ import annotations
@@ -19,32 +43,106 @@ import argparse
 import io
 import json
 import os
+import re
 import sys
+import textwrap
 import time
 from collections.abc import Sequence
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
-__all__ = ["build_parser", "run_from_args", "worker_main", "parse_size", "sizes_between"]
+from .algorithms import ALLREDUCE
+
+if TYPE_CHECKING:
+    from .group import ProcessGroup
+    from .trace import CollectiveRecord
+
+__all__ = ["build_parser", "check_args", "run_from_args", "worker_main", "parse_size", "sizes_between", "load_rows",
+           "FIELDS", "HEADER", "format_row", "plot"]
 
 _TAG = "@@gradcoll-bench "
 
+#: The fields of a row, in the order written, and what each means (the ``--help`` epilog; the module docstring says more).
+FIELDS: tuple[tuple[str, str], ...] = (
+    ("size", "bytes of each rank's buffer"),
+    ("count", "float32 elements in it"),
+    ("dtype", "its element type"),
+    ("algorithm", "the allreduce algorithm that ran (for --algorithm auto, the one auto picked)"),
+    ("algorithm_requested", "the --algorithm given"),
+    ("mode", "plain, deterministic, bf16 wire or fp16 wire"),
+    ("transport", "the transport that carried the bytes"),
+    ("ranks", "world size"),
+    ("iters", "timed calls per rank"),
+    ("iter_mean_us_avg_over_ranks", "each rank's mean time per call (us), averaged over the ranks"),
+    ("iter_mean_us_min_over_ranks", "each rank's mean time per call (us), the least over the ranks"),
+    ("iter_mean_us_max_over_ranks", "each rank's mean time per call (us), the greatest over the ranks"),
+    ("iter_median_us_avg_over_ranks", "each rank's median time per call (us), averaged over the ranks"),
+    ("algbw_GBps", "size / iter_mean_us_max_over_ranks, in 1e9 bytes/s"),
+    ("busbw_GBps", "algbw x 2(n-1)/n (nccl-tests' bus bandwidth)"),
+    ("wrong", "elements differing from the exact mean, summed over the ranks"),
+)
+
+#: Names rows had before; `load_rows` reads them under the current ones.
+_RENAMED = {
+    "time_avg_us": "iter_mean_us_avg_over_ranks",
+    "time_min_us": "iter_mean_us_min_over_ranks",
+    "time_max_us": "iter_mean_us_max_over_ranks",
+    "time_med_us": "iter_median_us_avg_over_ranks",
+    "runs_time_med_us": "runs_iter_median_us_avg_over_ranks",  # benches/fit_costmodel.py --repeat
+}
+
+_SIZE = re.compile(r"(\d+(?:\.\d*)?)\s*([KMG]?)(?:I?B)?", re.IGNORECASE)
+_SIZE_FORMS = "bytes as 4096, 4K, 1M or 1G (K, M, G = 2^10, 2^20, 2^30)"
+
 
 def parse_size(text: str) -> int:
-    """'4K', '64M', '1G' or a plain byte count -> bytes."""
-    t = text.strip().upper().removesuffix("B")
-    mult = {"K": 1 << 10, "M": 1 << 20, "G": 1 << 30}.get(t[-1:], 1)
-    return int(float(t[:-1] if mult > 1 else t) * mult)
+    """'4K', '64M', '1G' (binary multiples, an optional trailing 'B' or 'iB') or a plain byte count -> bytes.
+
+    Raises ValueError naming the accepted forms for anything else, or a size that is not a whole number of bytes.
+    """
+    m = _SIZE.fullmatch(text.strip())
+    if m is None:
+        raise ValueError(f"invalid size {text!r}: give {_SIZE_FORMS}")
+    mult = {"": 1, "K": 1 << 10, "M": 1 << 20, "G": 1 << 30}[m.group(2).upper()]
+    value = float(m.group(1)) * mult
+    if value != int(value):
+        raise ValueError(f"invalid size {text!r}: not a whole number of bytes")
+    return int(value)
+
+
+def _size_arg(text: str) -> int:
+    """An argparse type: a size of at least one float32 and a whole number of them."""
+    try:
+        n = parse_size(text)
+    except ValueError as e:
+        raise argparse.ArgumentTypeError(str(e)) from None
+    if n < 4 or n % 4:
+        raise argparse.ArgumentTypeError(f"invalid size {text!r}: the buffer is float32, so give a positive multiple of 4 bytes")
+    return n
 
 
 def sizes_between(lo: int, hi: int) -> list[int]:
-    """Powers of two from ``lo`` to ``hi`` bytes inclusive."""
+    """Powers of two times ``lo`` from ``lo`` to ``hi`` bytes inclusive (``lo`` >= 1)."""
+    if lo < 1:
+        raise ValueError(f"the smallest size must be at least 1 byte, got {lo}")
     out, s = [], lo
     while s <= hi:
         out.append(s)
         s *= 2
     return out
+
+
+def load_rows(path: str) -> list[dict[str, Any]]:
+    """The rows of a ``gradcoll bench --json`` file, fields written under earlier names renamed to the current ones."""
+    with open(path) as f:
+        rows: list[dict[str, Any]] = json.load(f)
+    for r in rows:
+        for old, new in _RENAMED.items():
+            if old in r and new not in r:
+                r[new] = r.pop(old)
+        r.setdefault("algorithm_requested", r.get("algorithm"))
+    return rows
 
 
 def _expected(rank_values: np.ndarray, world: int) -> np.ndarray:
@@ -54,12 +152,23 @@ def _expected(rank_values: np.ndarray, world: int) -> np.ndarray:
     return expected
 
 
+def _ran(group: ProcessGroup) -> str:
+    """The allreduce algorithm of the group's last collective, from its records ("deterministic ring" -> "ring")."""
+    from .errors import GradcollError
+
+    rec: CollectiveRecord = group.stats().recent[-1]
+    names = [w for w in rec.algorithm.replace("(", " ").split() if w in ALLREDUCE]
+    if rec.op != "allreduce" or len(names) != 1:
+        raise GradcollError(f"rank {group.rank}: the last record is {rec.op} {rec.algorithm!r}, not an allreduce of a known algorithm")
+    return names[0]
+
+
 def worker_main(argv: Sequence[str] | None = None) -> int:
-    """One rank of the benchmark."""
+    """One rank of the benchmark (started by `run_from_args` through the launcher)."""
     import gradcoll
 
     ap = argparse.ArgumentParser()
-    ap.add_argument("--sizes", nargs=2, default=["4K", "64M"])
+    ap.add_argument("--sizes", nargs=2, type=parse_size, default=[4 << 10, 64 << 20])
     ap.add_argument("--algorithm", default="auto")
     ap.add_argument("--iters", type=int, default=20)
     ap.add_argument("--warmup", type=int, default=3)
@@ -74,42 +183,39 @@ def worker_main(argv: Sequence[str] | None = None) -> int:
     group = gradcoll.init_process_group(os.environ.get("GRADCOLL_BACKEND", "tcp"), "env://", timeout=120.0)
     rank, world = group.rank, group.size
     transport = getattr(getattr(group, "transport", None), "name", "?")
-    for nbytes in sizes_between(parse_size(a.sizes[0]), parse_size(a.sizes[1])):
+    for nbytes in sizes_between(*a.sizes):
         count = nbytes // 4
         base = (np.arange(count) % 13).astype(np.float32)
         buf = base * np.float32(rank + 1)
-        group.allreduce(buf, op="mean", **kw)  # also the first warm-up
-        for _ in range(a.warmup - 1):
+        for _ in range(a.warmup):
             group.allreduce(buf, op="mean", **kw)
         group.barrier()
         laps = np.empty(a.iters)
-        t0 = t1 = time.perf_counter()
+        t1 = time.perf_counter()
         for i in range(a.iters):
             # Means of identical small-integer-derived values are exact: buf stays put.
             group.allreduce(buf, op="mean", **kw)
             t2 = time.perf_counter()
             laps[i], t1 = t2 - t1, t2
-        dt = (t1 - t0) / a.iters
+        algorithm = _ran(group)
         wrong = int(np.count_nonzero(buf != _expected(base, world)))
-        stats = group.allgather(np.array([dt, wrong, np.median(laps)], np.float64))
+        stats = group.allgather(np.array([laps.mean(), np.median(laps), wrong], np.float64))
         if rank == 0:
+            mean_us, median_us = stats[:, 0] * 1e6, stats[:, 1] * 1e6
+            algbw = nbytes / (mean_us.max() * 1e-6) / 1e9
             row = {
-                "size": nbytes,
-                "count": count,
-                "dtype": "float32",
-                "algorithm": a.algorithm,
+                "size": nbytes, "count": count, "dtype": "float32",
+                "algorithm": algorithm, "algorithm_requested": a.algorithm,
                 "mode": "deterministic" if a.deterministic else f"{a.wire_dtype} wire" if a.wire_dtype else "plain",
-                "transport": transport,
-                "ranks": world,
-                "time_avg_us": float(stats[:, 0].mean() * 1e6),
-                "time_min_us": float(stats[:, 0].min() * 1e6),
-                "time_max_us": float(stats[:, 0].max() * 1e6),
-                "time_med_us": float(stats[:, 2].mean() * 1e6),
-                "wrong": int(stats[:, 1].sum()),
+                "transport": transport, "ranks": world, "iters": a.iters,
+                "iter_mean_us_avg_over_ranks": float(mean_us.mean()),
+                "iter_mean_us_min_over_ranks": float(mean_us.min()),
+                "iter_mean_us_max_over_ranks": float(mean_us.max()),
+                "iter_median_us_avg_over_ranks": float(median_us.mean()),
+                "algbw_GBps": float(algbw),
+                "busbw_GBps": float(algbw * (2 * (world - 1) / world if world > 1 else 1.0)),
+                "wrong": int(stats[:, 2].sum()),
             }
-            t = row["time_max_us"] * 1e-6
-            row["algbw_GBps"] = nbytes / t / 1e9
-            row["busbw_GBps"] = row["algbw_GBps"] * (2 * (world - 1) / world if world > 1 else 1.0)
             print(_TAG + json.dumps(row), flush=True)
     group.close()
     return 0
@@ -152,49 +258,81 @@ class _Collector(io.TextIOBase):
             sys.stderr.write("\r" + " " * 60 + "\r")
 
 
-HEADER = (
-    f"{'size(B)':>12} {'count':>11} {'type':>7} {'algo':>9} {'transport':>9}"
-    f" {'avg(us)':>10} {'min(us)':>10} {'max(us)':>10} {'algbw':>7} {'busbw':>7} {'#wrong':>6}"
+# (header, width, row field, format): the table's columns.
+_COLUMNS = (
+    ("size (B)", 12, "size", "d"), ("count", 11, "count", "d"), ("type", 7, "dtype", "s"),
+    ("algo", max(len(a) for a in ALLREDUCE), "algorithm", "s"), ("transport", 9, "transport", "s"),
+    ("time avg (us)", 13, "iter_mean_us_avg_over_ranks", ".1f"), ("time min (us)", 13, "iter_mean_us_min_over_ranks", ".1f"),
+    ("time max (us)", 13, "iter_mean_us_max_over_ranks", ".1f"),
+    ("algbw (GB/s)", 12, "algbw_GBps", ".2f"), ("busbw (GB/s)", 12, "busbw_GBps", ".2f"), ("#wrong", 6, "wrong", "d"),
 )
+#: The table's header line.
+HEADER = " ".join(f"{h:>{w}}" for h, w, _, _ in _COLUMNS)
 
 
 def format_row(r: dict[str, Any]) -> str:
     """One table line."""
-    return (
-        f"{r['size']:>12} {r['count']:>11} {r['dtype']:>7} {r['algorithm']:>9} {r['transport']:>9}"
-        f" {r['time_avg_us']:>10.1f} {r['time_min_us']:>10.1f} {r['time_max_us']:>10.1f}"
-        f" {r['algbw_GBps']:>7.2f} {r['busbw_GBps']:>7.2f} {r['wrong']:>6}"
-    )
+    return " ".join(f"{r[k]:>{w}{f}}" for _, w, k, f in _COLUMNS)
 
 
 def build_parser(sub: argparse._SubParsersAction[argparse.ArgumentParser] | None = None) -> argparse.ArgumentParser:
     """The ``bench`` argument parser."""
-    description = "Allreduce bandwidth/latency sweep over local ranks (nccl-tests style)."
-    p = sub.add_parser("bench", description=description) if sub is not None else argparse.ArgumentParser(prog="gradcoll bench", description=description)
-    p.add_argument("-n", "--nprocs", type=int, default=2)
-    p.add_argument("--backend", default="shm", choices=["tcp", "shm"])
-    p.add_argument("--algorithm", default="auto")
-    p.add_argument("--min-size", default="4K")
-    p.add_argument("--max-size", default="64M")
-    p.add_argument("--iters", type=int, default=20)
-    p.add_argument("--warmup", type=int, default=3)
-    p.add_argument("--deterministic", action="store_true", help="time allreduce(deterministic=True)")
-    p.add_argument("--wire-dtype", default=None, choices=["bf16", "fp16"], help="time allreduce(wire_dtype=...)")
-    p.add_argument("--json", dest="json_path", default=None, help="write the rows to this JSON file")
-    p.add_argument("--plot", dest="plot_path", default=None, help="write busbw vs size to this PNG (matplotlib)")
+    from ._cli import non_negative_int, positive_int, subcommand, writable_path
+
+    epilog = "\n".join([
+        textwrap.fill("Sizes are bytes: 4096, or with a binary suffix, 4K, 1M, 1G (K = 1024). The sweep doubles from "
+                      "--min-size to --max-size. Times are per allreduce: each rank's mean (or median) over --iters "
+                      "calls, then the average, least or greatest of that over the ranks; the bandwidths use the "
+                      "slowest rank's mean.", 79),
+        "", "--json writes one row per size with these fields:",
+        *(textwrap.fill(v, 79, initial_indent=f"  {k:<30} ", subsequent_indent=" " * 33) for k, v in FIELDS)])
+    p = subcommand(sub, "bench", "time allreduce over local ranks and print an nccl-tests-style table",
+                   "Time allreduce over N local ranks, size by size, check every result against the exact mean, "
+                   "and print a table of times and bandwidths (nccl-tests style).", epilog)
+    p.add_argument("-n", "--nprocs", type=positive_int, default=2, metavar="N", help="number of ranks")
+    p.add_argument("--backend", default="shm", choices=["tcp", "shm"], help="transport between the ranks")
+    p.add_argument("--algorithm", default="auto", choices=["auto", *ALLREDUCE],
+                   help="allreduce algorithm; auto picks one per size from the fitted cost model")
+    p.add_argument("--min-size", type=_size_arg, default="4K", metavar="SIZE", help="smallest buffer per rank: bytes, or with a K, M or G suffix")
+    p.add_argument("--max-size", type=_size_arg, default="64M", metavar="SIZE", help="largest buffer per rank: bytes, or with a K, M or G suffix")
+    p.add_argument("--iters", type=positive_int, default=20, metavar="N", help="timed allreduces per size")
+    p.add_argument("--warmup", type=non_negative_int, default=3, metavar="N", help="untimed allreduces per size before them")
+    mode = p.add_mutually_exclusive_group()
+    mode.add_argument("--deterministic", action="store_true", help="time allreduce(deterministic=True)")
+    mode.add_argument("--wire-dtype", default=None, choices=["bf16", "fp16"],
+                      help="time allreduce(wire_dtype=...) (default: float32 on the wire)")
+    p.add_argument("--json", dest="json_path", type=writable_path, default=None, metavar="PATH",
+                   help="write the rows to this JSON file (fields below; default: none written)")
+    p.add_argument("--plot", dest="plot_path", type=writable_path, default=None, metavar="PATH",
+                   help="draw busbw against size into this PNG; needs matplotlib: pip install 'gradcoll[plot]' "
+                        "(default: none drawn)")
     return p
 
 
+def check_args(p: argparse.ArgumentParser, a: argparse.Namespace) -> None:
+    """What one argument cannot check alone; ``p.error`` (exit status 2) before any rank starts."""
+    if a.min_size > a.max_size:
+        p.error(f"--min-size ({a.min_size} B) is larger than --max-size ({a.max_size} B)")
+    if a.plot_path:
+        try:
+            _pyplot()
+        except ImportError as e:
+            p.error(f"--plot needs matplotlib, which cannot be imported here ({e}): pip install 'gradcoll[plot]'")
+
+
 def run_from_args(a: argparse.Namespace) -> int:
-    """Launch the ranks, render the table, write --json/--plot."""
+    """Launch the ranks, render the table, write --json/--plot; 1 when a rank failed or a result was wrong."""
     from .launch import launch
 
-    sizes = sizes_between(parse_size(a.min_size), parse_size(a.max_size))
+    sizes = sizes_between(a.min_size, a.max_size)
     mode = " deterministic" if a.deterministic else f" wire {a.wire_dtype}" if a.wire_dtype else ""
-    print(f"# gradcoll bench: {a.nprocs} ranks, backend {a.backend}, algorithm {a.algorithm}{mode}, {a.iters} iters")
+    print(f"# gradcoll bench: {a.nprocs} ranks, backend {a.backend}, algorithm {a.algorithm}{mode}, "
+          f"{a.iters} iters after {a.warmup} warm-up")
+    print(f"# time: per allreduce, each rank's mean over the {a.iters} iters, then avg/min/max over the ranks; "
+          "algbw = size / time max; busbw = algbw x 2(n-1)/n")
     print(HEADER)
     col = _Collector(len(sizes), sys.stderr.isatty())
-    cmd = [sys.executable, "-m", "gradcoll.bench", "--worker", "--sizes", a.min_size, a.max_size,
+    cmd = [sys.executable, "-m", "gradcoll.bench", "--worker", "--sizes", str(a.min_size), str(a.max_size),
            "--algorithm", a.algorithm, "--iters", str(a.iters), "--warmup", str(a.warmup)]
     cmd += ["--deterministic"] if a.deterministic else []
     cmd += ["--wire-dtype", a.wire_dtype] if a.wire_dtype else []
@@ -208,34 +346,57 @@ def run_from_args(a: argparse.Namespace) -> int:
     if not res.ok:
         print(f"gradcoll bench: rank {res.failed_rank} failed (exit codes {res.returncodes})", file=sys.stderr)
         return 1
-    return 0 if all(r["wrong"] == 0 for r in col.rows) else 2
+    wrong = sum(r["wrong"] for r in col.rows)
+    if wrong:
+        print(f"gradcoll bench: {wrong} elements differ from the exact mean", file=sys.stderr)
+        return 1
+    return 0
+
+
+def _pyplot() -> Any:
+    """matplotlib.pyplot on the file-only Agg backend (ImportError without matplotlib)."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    return plt
 
 
 def plot(rows: list[dict[str, Any]], path: str) -> None:
-    """busbw against size, one line per (algorithm, transport)."""
-    try:
-        import matplotlib
+    """busbw against size into the PNG ``path``: one line per requested algorithm, mode and transport.
 
-        matplotlib.use("Agg")
-        import matplotlib.pyplot as plt
-    except ImportError:
-        print("gradcoll bench: --plot needs matplotlib (pip install matplotlib)", file=sys.stderr)
-        return
+    A line's label names the algorithms that ran along it (``auto`` may pick
+    a different one per size).
+    """
+    plt = _pyplot()
     fig, ax = plt.subplots(figsize=(7, 4))
-    keys = sorted({(r["algorithm"], r["transport"]) for r in rows})
+    keys = sorted({(r.get("algorithm_requested", r["algorithm"]), r.get("mode", "plain"), r["transport"]) for r in rows})
     for k in keys:
-        sel = [r for r in rows if (r["algorithm"], r["transport"]) == k]
-        ax.plot([r["size"] for r in sel], [r["busbw_GBps"] for r in sel], marker="o", label=f"{k[0]} / {k[1]}")
+        sel = [r for r in rows if (r.get("algorithm_requested", r["algorithm"]), r.get("mode", "plain"), r["transport"]) == k]
+        ran = list(dict.fromkeys(r["algorithm"] for r in sel))
+        label = k[0] + ("" if ran == [k[0]] else " (" + ", ".join(ran) + ")") + ("" if k[1] == "plain" else " " + k[1])
+        label += " / " + k[2]
+        ax.plot([r["size"] for r in sel], [r["busbw_GBps"] for r in sel], marker="o", label=label)
     ax.set_xscale("log", base=2)
     ax.set_xlabel("message size (bytes)")
     ax.set_ylabel("busbw (GB/s)")
     ax.legend()
     ax.grid(True, alpha=0.3)
     fig.tight_layout()
-    fig.savefig(path, dpi=110)
+    fig.savefig(path, dpi=110, format="png")
+    plt.close(fig)
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    """Entry point of ``python -m gradcoll.bench`` (the same as ``gradcoll bench``)."""
+    p = build_parser()
+    a = p.parse_args(argv)
+    check_args(p, a)
+    return run_from_args(a)
 
 
 if __name__ == "__main__":
     if "--worker" in sys.argv:
         sys.exit(worker_main([x for x in sys.argv[1:] if x != "--worker"]))
-    sys.exit(run_from_args(build_parser().parse_args()))
+    sys.exit(main())

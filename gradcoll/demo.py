@@ -19,7 +19,10 @@ from dataclasses import dataclass
 
 import numpy as np
 
-__all__ = ["Model", "build_parser", "run_from_args", "worker_main"]
+__all__ = ["Model", "build_parser", "check_args", "run_from_args", "worker_main"]
+
+#: Samples per training step, split evenly over the ranks.
+GLOBAL_BATCH = 512
 
 
 @dataclass
@@ -112,7 +115,7 @@ def worker_main(argv: Sequence[str] | None = None) -> int:
     ap = argparse.ArgumentParser()
     ap.add_argument("--steps", type=int, default=300)
     ap.add_argument("--lr", type=float, default=0.2)
-    ap.add_argument("--global-batch", type=int, default=512)
+    ap.add_argument("--global-batch", type=int, default=GLOBAL_BATCH)
     ap.add_argument("--samples", type=int, default=16384)
     a = ap.parse_args(argv)
 
@@ -172,12 +175,22 @@ def worker_main(argv: Sequence[str] | None = None) -> int:
 
 def build_parser(sub: argparse._SubParsersAction[argparse.ArgumentParser] | None = None) -> argparse.ArgumentParser:
     """The ``demo`` argument parser."""
-    description = "Train a small model data-parallel across local processes and check the result."
-    p = sub.add_parser("demo", description=description) if sub is not None else argparse.ArgumentParser(prog="gradcoll demo", description=description)
-    p.add_argument("-n", "--nprocs", type=int, default=4)
-    p.add_argument("--backend", default="shm", choices=["tcp", "shm"])
-    p.add_argument("--steps", type=int, default=300)
+    from ._cli import positive_int, subcommand
+
+    p = subcommand(sub, "demo", "train a small model data-parallel over local ranks and check it against one process",
+                   "Train a small NumPy MLP data-parallel across N local processes (gradients averaged with "
+                   "allreduce), then check that the weights match a single-process run over the same batches.")
+    p.add_argument("-n", "--nprocs", type=positive_int, default=4, metavar="N",
+                   help=f"number of ranks; must divide the global batch of {GLOBAL_BATCH}")
+    p.add_argument("--backend", default="shm", choices=["tcp", "shm"], help="transport between the ranks")
+    p.add_argument("--steps", type=positive_int, default=300, metavar="N", help="training steps")
     return p
+
+
+def check_args(p: argparse.ArgumentParser, a: argparse.Namespace) -> None:
+    """What one argument cannot check alone; ``p.error`` (exit status 2) before any rank starts."""
+    if GLOBAL_BATCH % a.nprocs:
+        p.error(f"-n/--nprocs {a.nprocs} must divide the global batch of {GLOBAL_BATCH}")
 
 
 def run_from_args(a: argparse.Namespace) -> int:
@@ -197,7 +210,15 @@ def run_from_args(a: argparse.Namespace) -> int:
     return 0
 
 
+def main(argv: Sequence[str] | None = None) -> int:
+    """Entry point of ``python -m gradcoll.demo`` (the same as ``gradcoll demo``)."""
+    p = build_parser()
+    a = p.parse_args(argv)
+    check_args(p, a)
+    return run_from_args(a)
+
+
 if __name__ == "__main__":
     if "--worker" in sys.argv:
         sys.exit(worker_main([a for a in sys.argv[1:] if a != "--worker"]))
-    sys.exit(run_from_args(build_parser().parse_args()))
+    sys.exit(main())

@@ -26,6 +26,13 @@ __all__ = [
 ]
 
 
+def seconds(t: float | None) -> str:
+    """A duration for a message: ``0.3``, ``5``, ``300`` (not ``299.9830491540001``)."""
+    if t is None:
+        return "unbounded"
+    return f"{t:.3g}" if t < 100 else f"{t:.0f}"
+
+
 class GradcollError(Exception):
     """Base class of every error gradcoll raises on purpose."""
 

@@ -149,8 +149,10 @@ class ProcessGroup:
         self.transport = transport
         self.kernel_backend = kernel_backend
         self._pinned: dict[tuple[int, str], tuple[np.ndarray, np.ndarray]] = {}
-        self.rank = transport.rank
-        self.size = transport.size
+        self.rank: int = transport.rank
+        """This rank's number in the group, 0 .. size - 1."""
+        self.size: int = transport.size
+        """The number of ranks in the group (also available as ``world_size``)."""
         self.timeout = transport.timeout if timeout is None else timeout
         self.segment_bytes = segment_bytes
         self._seq = 0
@@ -165,6 +167,11 @@ class ProcessGroup:
                                  control=control)
 
     # -- state -------------------------------------------------------------
+    @property
+    def world_size(self) -> int:
+        """The number of ranks in the group (the same as ``size``; the name ``init_process_group`` takes)."""
+        return self.size
+
     @property
     def seq(self) -> int:
         """Sequence number the next collective will get."""

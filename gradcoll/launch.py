@@ -185,16 +185,24 @@ def _stop_all(procs: list[subprocess.Popen[bytes]], grace: float) -> None:
 
 def build_parser(sub: argparse._SubParsersAction[argparse.ArgumentParser] | None = None) -> argparse.ArgumentParser:
     """The ``launch`` argument parser (standalone or as a subcommand)."""
-    description = "Start N local ranks of a Python script with the rendezvous variables set."
-    p = sub.add_parser("launch", description=description) if sub is not None else argparse.ArgumentParser(prog="gradcoll launch", description=description)
-    p.add_argument("-n", "--nprocs", type=int, required=True, help="number of ranks")
-    p.add_argument("--backend", default="tcp", choices=["tcp", "shm", "inproc", "mpi"], help="GRADCOLL_BACKEND for the ranks")
-    p.add_argument("--master-addr", default="127.0.0.1")
-    p.add_argument("--master-port", type=int, default=None)
-    p.add_argument("--timeout", type=float, default=None, help="stop everything after this many seconds")
-    p.add_argument("--no-prefix", action="store_true", help="do not prefix output lines with the rank")
-    p.add_argument("script", help="the Python script to run")
-    p.add_argument("args", nargs=argparse.REMAINDER, help="arguments for the script")
+    from ._cli import existing_file, port, positive_float, positive_int, subcommand
+
+    p = subcommand(sub, "launch", "start N local ranks of a Python script (like torchrun on one host)",
+                   "Start N local ranks of a Python script with RANK, WORLD_SIZE, LOCAL_RANK, LOCAL_WORLD_SIZE, "
+                   "MASTER_ADDR, MASTER_PORT and GRADCOLL_BACKEND set, so that gradcoll.init_process_group() finds "
+                   "its peers. Each output line is prefixed with [rank]; when one rank fails the others are stopped "
+                   "and the exit status is 1.")
+    p.add_argument("-n", "--nprocs", type=positive_int, required=True, metavar="N", help="number of ranks (at least 1)")
+    p.add_argument("--backend", default="tcp", choices=["tcp", "shm", "inproc", "mpi"],
+                   help="transport the ranks use (GRADCOLL_BACKEND)")
+    p.add_argument("--master-addr", default="127.0.0.1", metavar="HOST", help="address of rank 0's rendezvous (MASTER_ADDR)")
+    p.add_argument("--master-port", type=port, default=None, metavar="PORT",
+                   help="port of rank 0's rendezvous (MASTER_PORT; default: a free port)")
+    p.add_argument("--timeout", type=positive_float, default=None, metavar="SECONDS",
+                   help="stop every rank after this many seconds (default: no limit)")
+    p.add_argument("--no-prefix", action="store_true", help="do not prefix output lines with [rank]")
+    p.add_argument("script", type=existing_file, help="the Python script each rank runs")
+    p.add_argument("args", nargs=argparse.REMAINDER, help="arguments passed to the script")
     return p
 
 

@@ -23,18 +23,24 @@ arguments override the environment for every init method.
 from __future__ import annotations
 
 import importlib
+import logging
 import os
 import re
+import time
 from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
 from urllib.parse import urlsplit
 
-from .errors import BackendUnavailable, UsageError
+from .errors import BackendUnavailable, CollectiveTimeout, ProtocolError, UsageError, seconds
 from .group import ProcessGroup
 from .store import FileStore, PrefixStore, Store, TCPStore
+from .transport.base import Deadline
 
-__all__ = ["init_process_group", "parse_init_method", "env_rank_size", "InitMethod", "DEFAULT_PORT"]
+__all__ = ["init_process_group", "parse_init_method", "env_rank_size", "InitMethod", "DEFAULT_PORT",
+           "DEFAULT_STARTUP_TIMEOUT", "join"]
+
+log = logging.getLogger("gradcoll")
 
 #: MASTER_PORT when the environment names none (torchrun's default).
 DEFAULT_PORT = 29500
@@ -136,6 +142,7 @@ def init_process_group(
     kernel_backend: str | None = None,
     stall_warning_s: float | None = 10.0,
     trace: str | None = None,
+    startup_timeout: float | None = None,
     **transport_options: Any,
 ) -> ProcessGroup:
     """Join a group of ``world_size`` ranks over transport ``backend`` and return its ProcessGroup.
@@ -155,36 +162,187 @@ def init_process_group(
     Chrome trace path). The group also gets a control channel (a UDP socket
     per rank on the tcp ``host`` option, default 127.0.0.1) for stall reports
     and ``shrink()``; see ``gradcoll.diagnosis``.
+
+    Startup: every rank publishes the world size it was given (and where it
+    came from: the argument or a launcher's variable); ranks that disagree
+    raise UsageError within about a second, naming both values. A rank
+    waiting for the others logs, every few seconds on logger ``"gradcoll"``,
+    which ranks have joined and which have not. ``startup_timeout`` (default
+    ``GRADCOLL_STARTUP_TIMEOUT`` or 60 s, never more than ``timeout``) bounds
+    the whole startup; ``timeout`` bounds every later collective.
     Raises BackendUnavailable if that module is missing, UsageError for a
-    missing rank/size or a bad init_method, CollectiveTimeout if the others
-    do not show up within ``timeout`` seconds.
+    missing rank/size, a world-size disagreement, a bad init_method or a
+    store address already in use, ProtocolError when the address reached is
+    not a gradcoll store, CollectiveTimeout if the others do not show up
+    within ``startup_timeout`` seconds.
     """
     if backend is None:
         backend = os.environ.get("GRADCOLL_BACKEND") or "tcp"
+    rank, world_size, source = _rank_and_size(rank, world_size)
+    boot = _startup_timeout(startup_timeout, timeout)
+    _load_backend(backend)
     if kernel_backend is None:
         kernel_backend = _default_kernels()
-    env_rank, env_size, _ = env_rank_size()
-    rank = env_rank if rank is None else rank
-    world_size = env_size if world_size is None else world_size
-    if rank is None or world_size is None:
-        raise UsageError("rank and world_size must be given or set by the launcher (RANK and WORLD_SIZE, ...)")
-    if world_size < 1 or not 0 <= rank < world_size:
-        raise UsageError(f"rank {rank} out of range for world size {world_size}")
-    _load_backend(backend)
     owned = store is None
     if store is None:
-        where = parse_init_method(init_method)
-        if where.scheme == "file":
-            store = FileStore(where.path, timeout=timeout)
-        else:
-            store = TCPStore(where.host, where.port, is_master=rank == 0, timeout=timeout)
+        store = _open_store(parse_init_method(init_method), rank, boot)
     try:
-        return _connect(PrefixStore(f"gradcoll/{backend}", store), backend, rank, world_size, timeout=timeout,
-                        group_timeout=timeout, kernel_backend=kernel_backend, transport_options=transport_options,
+        base = PrefixStore("gradcoll", store)
+        # The k-th init on a rank meets the k-th on every other: each gets a namespace of its own.
+        generation = base.add(f"calls/{rank}", 1)
+        ns = PrefixStore(f"gradcoll/{generation}", store)
+        join(ns, rank, world_size, source, boot)
+        return _connect(ns, backend, rank, world_size, timeout=boot, group_timeout=timeout,
+                        kernel_backend=kernel_backend, transport_options=transport_options,
                         group_options={"stall_warning_s": stall_warning_s, "trace": trace})
     finally:
         if owned:
             store.close()  # the TCPStore master lingers until the other ranks have disconnected
+
+
+#: Startup timeout (seconds) when neither ``startup_timeout=`` nor GRADCOLL_STARTUP_TIMEOUT says otherwise.
+DEFAULT_STARTUP_TIMEOUT = 60.0
+#: How often a rank waiting at startup logs who has joined.
+PROGRESS_S = 5.0
+
+_NO_LAUNCHER = (
+    "rank and world_size were not given and no launcher set them. Start the ranks with "
+    "`gradcoll launch -n N script.py` (or torchrun, mpirun, srun), or set RANK and WORLD_SIZE (and MASTER_ADDR, "
+    "MASTER_PORT) in each rank's environment, or pass rank= and world_size= to init_process_group"
+)
+
+
+def _rank_and_size(rank: int | None, world_size: int | None) -> tuple[int, int, str]:
+    """The rank and world size to use, and where the world size came from (for messages)."""
+    env = os.environ
+    env_rank, env_size, _ = env_rank_size(env)
+    size_var = next((v for v in _SIZE_VARS if (env.get(v) or "").strip()), None)
+    if world_size is not None:
+        if isinstance(world_size, bool) or not isinstance(world_size, int):
+            raise UsageError(f"world_size must be an int, got {world_size!r}")
+        source = f"argument world_size={world_size}"
+        if rank is None and env_size is not None and env_size != world_size:
+            # The rank comes from a launcher that started env_size ranks: world_size disagrees with it.
+            raise UsageError(
+                f"world size mismatch: init_process_group(world_size={world_size}) was given, but the launcher "
+                f"started {env_size} ranks (environment {size_var}={env_size}) and set this rank's number; "
+                f"drop world_size= to use the launcher's, or start {world_size} ranks"
+            )
+    else:
+        world_size = env_size
+        source = f"environment {size_var}={env_size}"
+    if rank is None:
+        rank = env_rank
+    if rank is None or world_size is None:
+        missing = " and ".join(w for w, v in (("rank", rank), ("world_size", world_size)) if v is None)
+        raise UsageError(f"{missing} not known: {_NO_LAUNCHER}")
+    if isinstance(rank, bool) or not isinstance(rank, int):
+        raise UsageError(f"rank must be an int, got {rank!r}")
+    if world_size < 1 or not 0 <= rank < world_size:
+        raise UsageError(f"rank {rank} out of range for world size {world_size} ({source})")
+    return rank, world_size, source
+
+
+def _startup_timeout(startup_timeout: float | None, timeout: float) -> float:
+    if startup_timeout is None:
+        raw = os.environ.get("GRADCOLL_STARTUP_TIMEOUT", "").strip()
+        try:
+            startup_timeout = float(raw) if raw else DEFAULT_STARTUP_TIMEOUT
+        except ValueError:
+            raise UsageError(f"GRADCOLL_STARTUP_TIMEOUT={raw!r} is not a number of seconds") from None
+        startup_timeout = min(startup_timeout, timeout)
+    if not startup_timeout > 0:
+        raise UsageError(f"startup_timeout must be positive, got {startup_timeout!r}")
+    return float(startup_timeout)
+
+
+def _open_store(where: InitMethod, rank: int, timeout: float) -> Store:
+    """The rendezvous store of ``where``: rank 0 hosts the TCPStore, or everyone opens the FileStore."""
+    if where.scheme == "file":
+        return FileStore(where.path, timeout=timeout)
+    try:
+        return TCPStore(where.host, where.port, is_master=rank == 0, timeout=timeout)
+    except UsageError as exc:
+        if rank != 0:
+            raise
+        raise UsageError(
+            f"rank 0 cannot host the rendezvous store on {where.host}:{where.port}: the address is already in use "
+            "(another job, or a launcher that holds it). Pick another MASTER_PORT (or init_method port), or start "
+            "the ranks with `gradcoll launch -n N script.py`, which picks a free port"
+        ) from exc
+
+
+def join(store: Store, rank: int, size: int, source: str, timeout: float) -> None:
+    """Startup barrier: publish this rank's world size, wait for every rank, check that all agree.
+
+    A disagreement raises UsageError on this rank and is left in the store
+    (``join/error``) so that every other waiting rank raises it too, within
+    about a second. Every ``PROGRESS_S`` seconds a waiting rank logs who
+    has joined and who has not.
+    """
+    store.set(f"join/{rank}", f"{size}\n{source}".encode())
+    deadline = Deadline(timeout)
+    arrived: dict[int, str] = {rank: source}
+    next_log = time.monotonic() + PROGRESS_S
+    while True:
+        if store.check(["join/error"]):
+            raise UsageError(f"rank {rank}: {store.get('join/error', 1.0).decode(errors='replace')}")
+        now = time.monotonic()
+        full_scan = now >= next_log or deadline.expired()
+        for r in range(size):
+            if r in arrived:
+                continue
+            if not store.check([f"join/{r}"]):
+                if full_scan:
+                    continue
+                break
+            their_size, their_source = _parse_join(store.get(f"join/{r}", 1.0), r)
+            if their_size != size:
+                msg = (f"world size mismatch: rank {rank} was given {size} ({source}), rank {r} was given "
+                       f"{their_size} ({their_source}); every rank must be started with the same world size")
+                store.set("join/error", msg.encode())
+                raise UsageError(f"rank {rank}: {msg}")
+            arrived[r] = their_source
+        missing = [r for r in range(size) if r not in arrived]
+        if not missing:
+            return
+        if deadline.expired():
+            raise CollectiveTimeout(
+                f"rank {rank}: startup timed out after {seconds(timeout)}s: {len(arrived)} of {size} ranks joined "
+                f"({_ranks(sorted(arrived))}); rank(s) {_ranks(missing)} never arrived. Check that {size} ranks were "
+                f"started ({source}) and that each reaches the rendezvous address; startup_timeout= or "
+                "GRADCOLL_STARTUP_TIMEOUT waits longer",
+                rank=rank, missing=missing, op="startup",
+            )
+        if full_scan:
+            log.warning("rank %d: waiting for rank(s) %s to join (%d of %d here: %s) after %ss; giving up after %ss",
+                        rank, _ranks(missing), len(arrived), size, _ranks(sorted(arrived)),
+                        seconds(timeout - (deadline.remaining() or 0.0)), seconds(timeout))
+            next_log = now + PROGRESS_S
+        wait = min(1.0, deadline.remaining() or 0.0, max(0.0, next_log - time.monotonic()))
+        try:  # wakes when the first missing rank arrives; at least once a second for join/error
+            store.get(f"join/{missing[0]}", max(wait, 0.001))
+        except CollectiveTimeout:
+            pass
+
+
+def _parse_join(raw: bytes, r: int) -> tuple[int, str]:
+    try:
+        size, source = raw.decode().split("\n", 1)
+        return int(size), source
+    except (UnicodeDecodeError, ValueError):
+        raise ProtocolError(f"rank {r} published a malformed startup record {raw[:40]!r}") from None
+
+
+def _ranks(rs: list[int]) -> str:
+    """``0-3, 5`` for a message."""
+    out: list[str] = []
+    for r in rs:
+        if out and out[-1].split("-")[-1] == str(r - 1):
+            out[-1] = f"{out[-1].split('-')[0]}-{r}"
+        else:
+            out.append(str(r))
+    return ", ".join(out)
 
 
 def _connect(ns: Store, backend: str, rank: int, size: int, *, timeout: float, group_timeout: float,
@@ -195,6 +353,7 @@ def _connect(ns: Store, backend: str, rank: int, size: int, *, timeout: float, g
 
     module = _load_backend(backend)
     transport = module.create(ns, rank, size, timeout=timeout, **transport_options)
+    transport.timeout = group_timeout  # startup is bounded by ``timeout``; collectives by the group's
     try:
         host = control_host or str(transport_options.get("host") or "127.0.0.1")
         control = open_control(ns, rank, size, timeout=timeout, host=host, backend=backend,
@@ -213,7 +372,5 @@ def _connect(ns: Store, backend: str, rank: int, size: int, *, timeout: float, g
 
 def _meet(store: Store, rank: int, size: int, timeout: float) -> None:
     """Wait until every rank has its transport (the store is not needed after this)."""
-    # The rendezvous generation: the k-th init on a rank meets the k-th on every other.
-    k = store.add(f"init/calls/{rank}", 1)
-    store.set(f"init/{k}/ready/{rank}", b"1")
-    store.wait([f"init/{k}/ready/{r}" for r in range(size)], timeout)
+    store.set(f"ready/{rank}", b"1")
+    store.wait([f"ready/{r}" for r in range(size)], timeout)

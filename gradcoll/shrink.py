@@ -76,7 +76,7 @@ def shrink(group: Any, timeout: float | None = None) -> Any:
 
         gen = ctl.generation + 1
         return _connect(
-            PrefixStore(f"gradcoll/shrink{gen}/{ctl.backend}", store), ctl.backend, members.index(ctl.rank),
+            PrefixStore(f"gradcoll/shrink{gen}", store), ctl.backend, members.index(ctl.rank),
             len(members), timeout=limit, group_timeout=group.timeout, kernel_backend=group.kernel_backend,
             transport_options=ctl.options, control_host=ctl.host, generation=gen,
             group_options={"segment_bytes": group.segment_bytes, "stall_warning_s": diag.stall_s,

@@ -16,9 +16,12 @@ timeout in seconds and raises [`CollectiveTimeout`][gradcoll.errors.CollectiveTi
 TCPStore wire format: a frame is ``u32 big-endian length`` + payload.
 Request payload: ``u8 op`` then fields, strings and blobs as ``u32 length``
 + bytes (little-endian): SET key value | GET key u32 timeout_ms | ADD key
-i64 amount | CHECK u32 n, n keys | DELETE key. Response payload: ``u8
-status`` (0 ok, 1 timeout, 2 error) then GET: value | ADD: i64 | CHECK,
-DELETE: u8 | error: message.
+i64 amount | CHECK u32 n, n keys | DELETE key | HELLO magic ``GCST`` u16
+version. Response payload: ``u8 status`` (0 ok, 1 timeout, 2 error) then
+GET: value | ADD: i64 | CHECK, DELETE: u8 | HELLO: magic, version | error:
+message. A client greets the server with HELLO as soon as it connects, so a
+client that reached some other program (a web server, another job's store)
+says so at once instead of waiting for its timeout.
 """
 
 from __future__ import annotations
@@ -33,7 +36,7 @@ import threading
 import time
 from collections.abc import Iterable, Iterator
 
-from .errors import CollectiveTimeout, GradcollError, ProtocolError, TransportBroken, UsageError
+from .errors import CollectiveTimeout, GradcollError, ProtocolError, TransportBroken, UsageError, seconds
 
 __all__ = ["Store", "HashStore", "PrefixStore", "TCPStore", "FileStore"]
 
@@ -92,7 +95,7 @@ class HashStore(Store):
             while key not in self._data:
                 left = end - time.monotonic()
                 if left <= 0:
-                    raise CollectiveTimeout(f"store: key {key!r} was not set within {limit}s", op="store.get")
+                    raise CollectiveTimeout(f"store: key {key!r} was not set within {seconds(limit)}s", op="store.get")
                 self._cond.wait(left)
             return self._data[key]
 
@@ -143,7 +146,7 @@ class PrefixStore(Store):
 # TCPStore
 # --------------------------------------------------------------------------
 
-_SET, _GET, _ADD, _CHECK, _DELETE = 1, 2, 3, 4, 5
+_SET, _GET, _ADD, _CHECK, _DELETE, _HELLO = 1, 2, 3, 4, 5, 6
 _OK, _TIMEOUT, _ERROR = 0, 1, 2
 _U32 = struct.Struct("<I")
 _I64 = struct.Struct("<q")
@@ -151,6 +154,13 @@ _LEN = struct.Struct(">I")
 
 #: Largest request or response frame (bytes) either side accepts.
 MAX_FRAME = 64 << 20
+
+#: The greeting: magic and protocol version, sent by the client and echoed by the server.
+STORE_MAGIC = b"GCST"
+STORE_VERSION = 1
+_GREETING = STORE_MAGIC + struct.pack("<H", STORE_VERSION)
+#: Seconds a client waits for the server's answer to its greeting.
+GREETING_TIMEOUT = 5.0
 
 
 def _blob(b: bytes) -> bytes:
@@ -202,6 +212,17 @@ def _recv_exact(sock: socket.socket, n: int) -> bytes:
     return bytes(out)
 
 
+def _recv_upto(sock: socket.socket, n: int) -> bytes:
+    """Up to ``n`` bytes: fewer only when the peer closed the connection first."""
+    out = bytearray()
+    while len(out) < n:
+        chunk = sock.recv(n - len(out))
+        if not chunk:
+            break
+        out += chunk
+    return bytes(out)
+
+
 def _recv_frame(sock: socket.socket, limit: int) -> bytes:
     (n,) = _LEN.unpack(_recv_exact(sock, 4))
     if n > limit:
@@ -222,7 +243,11 @@ class _StoreServer:
         self.cond = threading.Condition()
         self.closing = False
         self.conns: set[socket.socket] = set()
-        self.sock = socket.create_server((host, port), reuse_port=False)
+        try:
+            self.sock = socket.create_server((host, port), reuse_port=False)
+        except OSError as exc:
+            raise UsageError(f"store: cannot listen on {host}:{port}: {exc.strerror or exc} (pick another port, or "
+                             "port 0 for a free one)") from exc
         self.port = self.sock.getsockname()[1]
         self.thread = threading.Thread(target=self._accept, name=f"gradcoll-store:{self.port}", daemon=True)
         self.thread.start()
@@ -299,6 +324,12 @@ class _StoreServer:
             r.end()
             with self.cond:
                 return bytes([_OK, self.data.pop(key, None) is not None])
+        if op == _HELLO:
+            greeting = r.take(len(_GREETING))
+            r.end()
+            if greeting[:4] != STORE_MAGIC:
+                raise ProtocolError(f"not a gradcoll store client (greeting {greeting!r})")
+            return bytes([_OK]) + _GREETING
         raise ProtocolError(f"unknown store op {op}")
 
     def close(self, grace: float) -> None:
@@ -346,16 +377,52 @@ class TCPStore(Store):
         while True:
             try:
                 sock = socket.create_connection((self.host, self.port), timeout=max(0.1, end - time.monotonic()))
-                sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
-                return sock
             except OSError as exc:  # the master may not be listening yet: retry until the deadline
                 if time.monotonic() + pause > end:
                     raise CollectiveTimeout(
-                        f"store: could not reach {self.host}:{self.port} within {self.timeout}s ({exc})",
+                        f"store: could not reach {self.host}:{self.port} within {seconds(self.timeout)}s ({exc})",
                         op="store.connect",
                     ) from exc
                 time.sleep(pause)
                 pause = min(pause * 2, 0.25)
+                continue
+            try:
+                sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+                self._greet(sock)
+            except BaseException:
+                sock.close()
+                raise
+            return sock
+
+    def _greet(self, sock: socket.socket) -> None:
+        """Send HELLO and check the answer: something that is not a gradcoll store is named at once."""
+        where = f"{self.host}:{self.port}"
+        hint = "is another program using that port? (check MASTER_ADDR/MASTER_PORT or init_method)"
+        sock.settimeout(min(GREETING_TIMEOUT, self.timeout))
+        try:
+            _send_frame(sock, bytes([_HELLO]) + _GREETING)
+            head = _recv_upto(sock, 4)
+            want = 1 + len(_GREETING)
+            if len(head) == 4 and _LEN.unpack(head)[0] == want:
+                body = _recv_upto(sock, want)
+                if len(body) == want and body[0] == _OK and body[1:5] == STORE_MAGIC:
+                    (version,) = struct.unpack("<H", body[5:])
+                    if version != STORE_VERSION:
+                        raise ProtocolError(f"store: the store at {where} speaks version {version}, "
+                                            f"this gradcoll speaks {STORE_VERSION}")
+                    return
+                head += body
+        except TimeoutError:
+            raise ProtocolError(f"store: {where} accepted the connection but did not answer the gradcoll store "
+                                f"greeting within {seconds(GREETING_TIMEOUT)}s: it is not a gradcoll store; "
+                                f"{hint}") from None
+        except OSError as exc:
+            raise ProtocolError(f"store: {where} dropped the connection during the gradcoll store greeting "
+                                f"({exc}): it is not a gradcoll store; {hint}") from None
+        if not head:
+            raise ProtocolError(f"store: {where} closed the connection without answering the gradcoll store "
+                                f"greeting: it is not a gradcoll store; {hint}")
+        raise ProtocolError(f"store: {where} is not a gradcoll store (it answered {bytes(head[:24])!r}); {hint}")
 
     def _call(self, payload: bytes, what: str, timeout: float | None = None) -> _Reader:
         with self._lock:
@@ -392,7 +459,7 @@ class TCPStore(Store):
         try:
             return self._call(bytes([_GET]) + self._key(key) + _U32.pack(ms), f"get {key!r}", limit + 5.0).blob()
         except CollectiveTimeout as exc:
-            raise CollectiveTimeout(f"store: key {key!r} was not set within {limit}s", op="store.get") from exc
+            raise CollectiveTimeout(f"store: key {key!r} was not set within {seconds(limit)}s", op="store.get") from exc
 
     def add(self, key: str, amount: int) -> int:
         return self._call(bytes([_ADD]) + self._key(key) + _I64.pack(amount), f"add {key!r}").i64()
@@ -497,7 +564,7 @@ class FileStore(Store):
                 if key in self._data:
                     return self._data[key]
             if time.monotonic() >= end:
-                raise CollectiveTimeout(f"store: key {key!r} was not set within {limit}s", op="store.get")
+                raise CollectiveTimeout(f"store: key {key!r} was not set within {seconds(limit)}s", op="store.get")
             time.sleep(min(pause, max(0.0, end - time.monotonic())))
             pause = min(pause * 2, 0.05)
 

@@ -67,13 +67,14 @@ def rank_stragglers(events: Iterable[dict[str, Any]]) -> tuple[list[Straggler], 
 
 def build_parser(sub: Any) -> argparse.ArgumentParser:
     """Add the ``stragglers`` subcommand to ``sub`` (an argparse subparsers object)."""
-    p: argparse.ArgumentParser = sub.add_parser(
-        "stragglers", help="name the ranks whose late arrival made the others wait (from traces)",
-        description="Read Chrome traces written by ProcessGroup(trace=...) or stop_trace() (per-rank files or one "
-                    "merged file) and print the ranks whose late arrival made the others wait most.")
-    p.add_argument("traces", nargs="+", metavar="TRACE.json", help="trace files (one per rank, or merged)")
-    p.add_argument("--top", type=int, default=0, help="print only the first N ranks (default: all)")
-    p.add_argument("--merge", metavar="OUT.json", help="also write the traces merged into one file")
+    from ._cli import existing_file, non_negative_int, subcommand, writable_path
+
+    p = subcommand(sub, "stragglers", "name the ranks whose late arrival made the others wait (from traces)",
+                   "Read Chrome traces written by ProcessGroup(trace=...) or stop_trace() (per-rank files or one "
+                   "merged file) and print the ranks whose late arrival made the others wait most.")
+    p.add_argument("traces", nargs="+", type=existing_file, metavar="TRACE.json", help="trace files (one per rank, or merged)")
+    p.add_argument("--top", type=non_negative_int, default=0, metavar="N", help="print only the first N ranks (default: 0, all)")
+    p.add_argument("--merge", metavar="OUT.json", type=writable_path, help="also write the traces merged into one file (default: none)")
     return p
 
 

@@ -321,7 +321,7 @@ def create(
     timeout: float = 300.0,
     ring_bytes: int = RING_BYTES,
     shm_dir: str | None = None,
-    key_prefix: str = "gradcoll/shm",
+    key_prefix: str = "shm",
 ) -> ShmTransport:
     """Connect ``rank`` to every other rank of this host through shared-memory rings.
 

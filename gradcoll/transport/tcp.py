@@ -276,7 +276,7 @@ def create(
     timeout: float = 300.0,
     host: str = "127.0.0.1",
     sockbuf: int = SOCKBUF,
-    key_prefix: str = "gradcoll/tcp",
+    key_prefix: str = "tcp",
 ) -> TcpTransport:
     """Connect ``rank`` to every other rank over TCP, exchanging addresses through ``store``.
 
