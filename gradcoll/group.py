@@ -134,12 +134,6 @@ class ProcessGroup:
     ``stats_window``: how many recent records [`stats`][gradcoll.group.ProcessGroup.stats] keeps. ``control``
     is the control channel [`init_process_group`][gradcoll.rendezvous.init_process_group]
     sets up (stall reports from peers, [`shrink`][gradcoll.group.ProcessGroup.shrink]).
-
-    Attributes:
-        rank (int): This process's rank in the group, ``0 .. size - 1``.
-        size (int): The number of ranks in the group.
-        world_size (int): The same number as ``size``, under the name that
-            ``init_process_group(world_size=...)`` and ``torch.distributed`` use.
     """
 
     def __init__(self, transport: Transport, *, timeout: float | None = None,

@@ -49,8 +49,10 @@ def site(tmp_path_factory: pytest.TempPathFactory) -> Path:
 
 
 def test_mkdocs_strict_build(site: Path) -> None:
-    assert (site / "api" / "index.html").exists()
     assert (site / "index.html").exists()
+    api = (site / "api" / "index.html").read_text(encoding="utf-8")
+    for name in ("rank", "size", "world_size", "allreduce", "close"):
+        assert f'id="gradcoll.group.ProcessGroup.{name}"' in api, f"ProcessGroup.{name} is missing from the API page"
 
 
 def page_text(raw: str) -> str:
