@@ -7,8 +7,8 @@ from Cython.Build import cythonize
 from setuptools import Extension, setup
 
 ext = Extension(
-    "gradcoll._kernels._cython_kernels",
-    ["gradcoll/_kernels/_cython_kernels.pyx"],
+    "gradcoll.kernels._cython_kernels",
+    ["gradcoll/kernels/_cython_kernels.pyx"],
     include_dirs=[np.get_include()],
     define_macros=[("NPY_NO_DEPRECATED_API", "NPY_1_7_API_VERSION")],
     extra_compile_args=["-O3"] if os.name != "nt" else [],

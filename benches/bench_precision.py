@@ -22,8 +22,8 @@ from typing import Any
 
 import numpy as np
 
-from gradcoll.bench import load_rows
-from gradcoll.group import ProcessGroup
+from gradcoll.cli.bench import load_rows
+from gradcoll.group.process_group import ProcessGroup
 from gradcoll.transport.inproc import create_world
 
 

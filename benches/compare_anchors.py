@@ -34,7 +34,7 @@ IMPLS = ["gradcoll-shm", "gradcoll-tcp", "gloo", "mpi-shm", "mpi-tcp"]
 
 def _sizes(lo: str, hi: str) -> list[int]:
     sys.path.insert(0, os.path.dirname(os.path.dirname(HERE)))
-    from gradcoll.bench import parse_size
+    from gradcoll.cli.bench import parse_size
 
     out, s = [], parse_size(lo)
     while s <= parse_size(hi):
@@ -153,7 +153,7 @@ def run(kind: str, n: int, lo: str, hi: str, repeats: int) -> list[dict]:
         ok = p.returncode == 0
         err = p.stderr
     else:
-        from gradcoll.launch import launch
+        from gradcoll.cli.launch import launch
 
         class Sink:
             def __init__(self) -> None:

@@ -31,7 +31,7 @@ of the other ranks (the model gives each rank its share of the node), and
 ``iter_median_us_avg_over_ranks``, where the rows have it; ``time_med_us`` in
 files written before that name); ``--repeat`` runs every bench
 that many times and keeps, per row, the median of the runs. ``--write`` stores the models in
-``gradcoll/costmodel_fitted.json``, from which ``select_allreduce`` derives
+``gradcoll/model/fitted.json``, from which ``select_allreduce`` derives
 its thresholds.
 """
 
@@ -47,8 +47,8 @@ import sys
 from dataclasses import asdict
 from typing import Any
 
-from gradcoll.bench import load_rows, parse_size
-from gradcoll.costmodel import ALGORITHMS, FITTED_PATH, AlphaBeta, Node, fit, predict
+from gradcoll.cli.bench import load_rows, parse_size
+from gradcoll.model.costmodel import ALGORITHMS, FITTED_PATH, AlphaBeta, Node, fit, predict
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 STORED = os.path.join(HERE, "results", "costmodel")

@@ -24,7 +24,7 @@ def main() -> int:
 
     from gradcoll import NonFiniteError
     from gradcoll import kernels as K
-    from gradcoll._kernels import cuda as gk
+    from gradcoll.kernels import cuda as gk
 
     if not cuda.is_available():
         print("no CUDA GPU available")

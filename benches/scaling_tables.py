@@ -9,7 +9,7 @@ import argparse
 import sys
 
 from gradcoll.algorithms import auto_thresholds
-from gradcoll.costmodel import ALGORITHMS, best, busbw, crossovers, link_model, predict, stored_models
+from gradcoll.model.costmodel import ALGORITHMS, best, busbw, crossovers, link_model, predict, stored_models
 
 #: Reduction throughput: docs/performance.md, 2 inputs x 1e7 float32 (40 MB of incoming contribution) in 5.52 ms.
 REDUCE_BPS = 40e6 / 5.52e-3
@@ -57,7 +57,7 @@ def crossover_table() -> None:
 
 
 def auto_table() -> None:
-    """What algorithm="auto" runs: the crossovers of the stored fitted models (gradcoll/costmodel_fitted.json)."""
+    """What algorithm="auto" runs: the crossovers of the stored fitted models (gradcoll/model/fitted.json)."""
     models = stored_models()
     print("\n| transport | model | ranks | `auto`: algorithm by size |")
     print("|--|--|--:|--|")

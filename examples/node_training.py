@@ -22,15 +22,7 @@ import tempfile
 
 import numpy as np
 
-from gradcoll.node import (
-    DataSpec,
-    NodeConfig,
-    OpSpec,
-    TrainSpec,
-    coordinate_trainer,
-    serve_trainer,
-    train_local,
-)
+from gradcoll.node import DataSpec, NodeConfig, OpSpec, TrainSpec, coordinate_trainer, serve_trainer, train_local
 
 WORLD = 4
 ROWS_PER_RANK = 64

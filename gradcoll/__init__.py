@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from . import kernels
+from . import _compat, kernels
 from .coordinator import (
     AllReduceResult,
     AveragedBlockResult,
@@ -29,7 +29,8 @@ from .errors import (
     TransportError,
     UsageError,
 )
-from .group import ProcessGroup, Work
+from .group.process_group import ProcessGroup, Work
+from .group.rendezvous import init_process_group
 from .optimizer import (
     AggregatedGradient,
     AggregationStrategy,
@@ -44,10 +45,11 @@ from .optimizer import (
     WorkerNotFound,
     WorkerState,
 )
-from .rendezvous import init_process_group
 from .store import FileStore, HashStore, PrefixStore, Store, TCPStore
 
 __version__ = "0.1.0"
+
+_compat.install()
 
 __all__ = [
     "kernels",

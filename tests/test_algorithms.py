@@ -16,14 +16,7 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from gradcoll.algorithms import (
-    ALLREDUCE,
-    allgather,
-    barrier,
-    broadcast,
-    reduce_scatter,
-    select_allreduce,
-)
+from gradcoll.algorithms import ALLREDUCE, allgather, barrier, broadcast, reduce_scatter, select_allreduce
 from gradcoll.algorithms._common import chunk_bounds, segment_bounds
 from gradcoll.errors import CollectiveMismatch, CollectiveTimeout, NonFiniteError, TransportClosed, UsageError
 from gradcoll.testing import gather_ranks

@@ -13,8 +13,8 @@ import numpy as np
 import pytest
 
 from gradcoll.algorithms import ALLREDUCE, select_allreduce
-from gradcoll.bench import FIELDS, HEADER, _ran, load_rows, parse_size, sizes_between
-from gradcoll.group import ProcessGroup
+from gradcoll.cli.bench import FIELDS, HEADER, _ran, load_rows, parse_size, sizes_between
+from gradcoll.group.process_group import ProcessGroup
 from gradcoll.transport.inproc import create_world
 
 ROOT = Path(__file__).resolve().parents[1]

@@ -5,7 +5,7 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from gradcoll.buffers import as_buffer, is_device_array
+from gradcoll.group.buffers import as_buffer, is_device_array
 
 
 def test_numpy_is_itself():

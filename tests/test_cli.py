@@ -15,9 +15,9 @@ import sys
 
 import pytest
 
-from gradcoll.__main__ import build_parser
-from gradcoll._cli import HelpFormatter
 from gradcoll.algorithms import ALLREDUCE
+from gradcoll.cli import build_parser
+from gradcoll.cli._args import HelpFormatter
 
 pytestmark = pytest.mark.timeout(60)
 
@@ -68,7 +68,7 @@ def test_every_option_has_help_with_its_default(command: str) -> None:
 
 
 def test_bench_help_documents_sizes_and_json_fields() -> None:
-    from gradcoll.bench import FIELDS
+    from gradcoll.cli.bench import FIELDS
 
     r = gradcoll("bench", "--help")
     text = flat(r.stdout)
@@ -79,7 +79,7 @@ def test_bench_help_documents_sizes_and_json_fields() -> None:
 
 
 def test_bench_module_doc_documents_every_field() -> None:
-    import gradcoll.bench as bench
+    import gradcoll.cli.bench as bench
 
     doc = bench.__doc__ or ""
     for field, _ in bench.FIELDS:
@@ -152,7 +152,7 @@ def test_bench_refuses_bad_values_before_starting_ranks(args, needle) -> None:
 
 def test_bench_plot_without_matplotlib_is_refused_before_starting(tmp_path) -> None:
     png = tmp_path / "busbw.png"
-    hide = ("import sys; sys.modules['matplotlib'] = None; from gradcoll.__main__ import main; "
+    hide = ("import sys; sys.modules['matplotlib'] = None; from gradcoll.cli import main; "
             f"sys.exit(main(['bench', '--min-size', '4K', '--max-size', '4K', '--plot', {str(png)!r}]))")
     r = subprocess.run([sys.executable, "-c", hide], capture_output=True, text=True, timeout=50)
     _refused(r, "bench", "--plot needs matplotlib", "pip install 'gradcoll[plot]'")

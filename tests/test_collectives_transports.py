@@ -17,7 +17,7 @@ import pytest
 
 from gradcoll import ProcessGroup
 from gradcoll.algorithms import ALLREDUCE
-from gradcoll.launch import launch
+from gradcoll.cli.launch import launch
 from gradcoll.testing import run_ranks, threaded_group
 from gradcoll.transport import shm, tcp
 

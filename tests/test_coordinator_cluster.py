@@ -14,14 +14,7 @@ from typing import Any
 import numpy as np
 import pytest
 
-from gradcoll.coordinator import (
-    BLOCK_COMPONENTS,
-    DistributedConfig,
-    GradientServer,
-    ShardAssignment,
-    WorkerClient,
-    shard_bounds,
-)
+from gradcoll.coordinator import BLOCK_COMPONENTS, DistributedConfig, GradientServer, ShardAssignment, WorkerClient, shard_bounds
 from gradcoll.coordinator.protocol import FrameDecoder, JoinAccepted, JoinRequest, Message, encode
 from gradcoll.errors import GroupPoisoned, NonFiniteError, TransportClosed, UsageError
 

@@ -29,14 +29,7 @@ from gradcoll.coordinator.protocol import (
     JoinRequest,
     encode,
 )
-from gradcoll.errors import (
-    CollectiveMismatch,
-    CollectiveTimeout,
-    GroupPoisoned,
-    ProtocolError,
-    TransportBroken,
-    UsageError,
-)
+from gradcoll.errors import CollectiveMismatch, CollectiveTimeout, GroupPoisoned, ProtocolError, TransportBroken, UsageError
 
 SHUTDOWN = bytes.fromhex("00000001 07")
 

@@ -7,9 +7,9 @@ import pytest
 
 from gradcoll import kernels
 from gradcoll.algorithms import DEFAULT_TRANSPORT, SEARCH_BYTES, auto_thresholds, select_allreduce
-from gradcoll.costmodel import ALGORITHMS, AlphaBeta, Node, best, crossovers, fit, out_of_l2, predict, stored_models, terms, work
 from gradcoll.errors import UsageError
-from gradcoll.transport.sim import simulate
+from gradcoll.model.costmodel import ALGORITHMS, AlphaBeta, Node, best, crossovers, fit, out_of_l2, predict, stored_models, terms, work
+from gradcoll.model.sim import simulate
 
 MODEL = AlphaBeta(20e-6, 1 / 2e9, 1 / 5e9)
 

@@ -12,7 +12,7 @@ from hypothesis import strategies as st
 
 from gradcoll.algorithms.deterministic import deterministic_allreduce, exact_reduce, fraction_bits
 from gradcoll.errors import NonFiniteError, UsageError
-from gradcoll.group import ProcessGroup
+from gradcoll.group.process_group import ProcessGroup
 from gradcoll.testing import gather_ranks
 from gradcoll.transport.inproc import create_world
 

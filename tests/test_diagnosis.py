@@ -13,10 +13,10 @@ import numpy as np
 import pytest
 
 from gradcoll import HashStore, init_process_group
-from gradcoll.__main__ import main
-from gradcoll.group import ProcessGroup
-from gradcoll.stragglers import rank_stragglers
-from gradcoll.trace import load_events, trace_path
+from gradcoll.cli import main
+from gradcoll.group.process_group import ProcessGroup
+from gradcoll.observe.stragglers import rank_stragglers
+from gradcoll.observe.trace import load_events, trace_path
 from gradcoll.transport.inproc import create_world
 
 

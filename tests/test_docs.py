@@ -169,7 +169,7 @@ PICKS = re.compile(r"\b(?:picks?|picked|runs|chooses|chose|thresholds?|crossover
 
 def test_prose_quotes_only_the_models_auto_thresholds() -> None:
     from gradcoll.algorithms import auto_thresholds
-    from gradcoll.costmodel import stored_models
+    from gradcoll.model.costmodel import stored_models
 
     human = scaling_tables().human
     current = {human(at) for tr in stored_models() for n in (2, 3, 4, 8, 16, 64, 1024)

@@ -11,15 +11,8 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from gradcoll.errors import (
-    CollectiveMismatch,
-    CollectiveTimeout,
-    GroupPoisoned,
-    NonFiniteError,
-    TransportClosed,
-    UsageError,
-)
-from gradcoll.group import ProcessGroup, Work
+from gradcoll.errors import CollectiveMismatch, CollectiveTimeout, GroupPoisoned, NonFiniteError, TransportClosed, UsageError
+from gradcoll.group.process_group import ProcessGroup, Work
 from gradcoll.testing import gather_ranks
 from gradcoll.transport.inproc import create_world
 

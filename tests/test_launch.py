@@ -9,7 +9,7 @@ import textwrap
 
 import pytest
 
-from gradcoll.launch import launch
+from gradcoll.cli.launch import launch
 
 pytestmark = pytest.mark.timeout(60)
 
@@ -73,7 +73,7 @@ def test_children_exiting_between_polls():
 def test_free_port_is_bindable_and_outside_the_ephemeral_range() -> None:
     import socket
 
-    from gradcoll.launch import _ephemeral_range, free_port
+    from gradcoll.cli.launch import _ephemeral_range, free_port
 
     lo, hi = _ephemeral_range()
     for _ in range(20):

@@ -10,7 +10,7 @@ from pathlib import Path
 
 import pytest
 
-from gradcoll.launch import free_port
+from gradcoll.cli.launch import free_port
 
 pytestmark = pytest.mark.timeout(150)
 

@@ -7,19 +7,7 @@ import logging
 import pytest
 
 from gradcoll.errors import UsageError
-from gradcoll.node import (
-    FixedFunction,
-    NodeCaps,
-    NodeRole,
-    StageRefused,
-    StageSpec,
-    collect_caps,
-    connect_local,
-    node_device,
-    platform_tag,
-    send_caps,
-    wire,
-)
+from gradcoll.node import FixedFunction, NodeCaps, NodeRole, StageRefused, StageSpec, collect_caps, connect_local, node_device, platform_tag, send_caps, wire
 from gradcoll.node import caps as caps_mod
 from gradcoll.testing import run_ranks
 

@@ -8,17 +8,8 @@ import numpy as np
 import pytest
 
 from gradcoll.errors import UsageError
-from gradcoll.group import ProcessGroup
-from gradcoll.node import (
-    FixedFunction,
-    NodeConfig,
-    NodeGroup,
-    NodeRole,
-    PeerSource,
-    Topology,
-    connect_local,
-    topology_of,
-)
+from gradcoll.group.process_group import ProcessGroup
+from gradcoll.node import FixedFunction, NodeConfig, NodeGroup, NodeRole, PeerSource, Topology, connect_local, topology_of
 from gradcoll.node.config import parse_addr
 from gradcoll.store import TCPStore
 from gradcoll.testing import run_ranks

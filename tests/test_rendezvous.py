@@ -13,8 +13,8 @@ import numpy as np
 import pytest
 
 from gradcoll.errors import BackendUnavailable, CollectiveTimeout, UsageError
-from gradcoll.group import ProcessGroup
-from gradcoll.rendezvous import DEFAULT_PORT, InitMethod, env_rank_size, init_process_group, parse_init_method
+from gradcoll.group.process_group import ProcessGroup
+from gradcoll.group.rendezvous import DEFAULT_PORT, InitMethod, env_rank_size, init_process_group, parse_init_method
 from gradcoll.store import HashStore
 from gradcoll.testing import gather_ranks
 

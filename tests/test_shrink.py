@@ -14,7 +14,7 @@ import pytest
 
 from gradcoll import HashStore, ShrinkFailed, UsageError, init_process_group
 from gradcoll.errors import GradcollError
-from gradcoll.group import ProcessGroup
+from gradcoll.group.process_group import ProcessGroup
 from gradcoll.transport.inproc import create_world
 
 STEPS, DIE_AT = 8, 3

@@ -16,9 +16,9 @@ from pathlib import Path
 import pytest
 
 import gradcoll
-from gradcoll import rendezvous
+from gradcoll.cli.launch import free_port
 from gradcoll.errors import CollectiveTimeout, ProtocolError, UsageError
-from gradcoll.launch import free_port
+from gradcoll.group import rendezvous
 from gradcoll.store import HashStore, TCPStore
 from gradcoll.testing import gather_ranks
 

@@ -9,15 +9,7 @@ pytest.importorskip("pyarrow")
 
 from gradcoll import kernels  # noqa: E402
 from gradcoll.errors import CollectiveMismatch, NonFiniteError, UsageError  # noqa: E402
-from gradcoll.sync import (  # noqa: E402
-    AccumulatorConfig,
-    Aggregation,
-    DistributedGradientAccumulator,
-    MemoryBlockStore,
-    aggregate_gradients,
-    get_gradient,
-    put_gradient,
-)
+from gradcoll.sync import AccumulatorConfig, Aggregation, DistributedGradientAccumulator, MemoryBlockStore, aggregate_gradients, get_gradient, put_gradient
 
 
 def _acc(strategy="fedavg"):

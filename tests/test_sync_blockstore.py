@@ -13,7 +13,7 @@ import pytest
 pytest.importorskip("pyarrow")
 
 from gradcoll.errors import ProtocolError, UsageError  # noqa: E402
-from gradcoll.sync import (  # noqa: E402
+from gradcoll.sync import (
     BlockNotFound,
     BlockStore,
     CorruptBlock,

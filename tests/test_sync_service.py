@@ -11,14 +11,8 @@ import pytest
 
 pytest.importorskip("pyarrow")
 
-from gradcoll.errors import (  # noqa: E402
-    CollectiveMismatch,
-    CollectiveTimeout,
-    NonFiniteError,
-    ProtocolError,
-    UsageError,
-)
-from gradcoll.sync import (  # noqa: E402
+from gradcoll.errors import CollectiveMismatch, CollectiveTimeout, NonFiniteError, ProtocolError, UsageError
+from gradcoll.sync import (
     FileBlockStore,
     GradientChunkResponse,
     GradientSyncRequest,

@@ -14,7 +14,7 @@ import pytest
 
 torch = pytest.importorskip("torch", reason="PyTorch not installed: pip install 'gradcoll[torch]' (torch==2.13.0 CPU)")
 
-from gradcoll.launch import launch  # noqa: E402
+from gradcoll.cli.launch import launch  # noqa: E402
 
 pytestmark = pytest.mark.timeout(120)
 

@@ -19,7 +19,7 @@ from _mp_helpers import spawn_ranks
 from gradcoll.errors import CollectiveMismatch, CollectiveTimeout, TransportBroken, TransportClosed, UsageError
 from gradcoll.store import HashStore
 from gradcoll.testing import run_ranks, threaded_group
-from gradcoll.transport import _frame as fr
+from gradcoll.transport import frame as fr
 from gradcoll.transport import tcp
 
 

@@ -28,7 +28,7 @@ import bisect
 import functools
 from collections.abc import Callable
 
-from ..costmodel import Node, best, crossovers, stored_models
+from ..model.costmodel import Node, best, crossovers, stored_models
 from .allgather import allgather
 from .barrier import barrier
 from .broadcast import broadcast

@@ -15,8 +15,8 @@ from typing import Any
 import numpy as np
 
 from ..errors import CollectiveMismatch, CollectiveTimeout, TransportBroken, TransportClosed, UsageError
-from ..transport._frame import LENIENT_TAG, FrameMismatch
 from ..transport.base import Deadline, Request, Transport
+from ..transport.frame import LENIENT_TAG, FrameMismatch
 
 __all__ = [
     "OPS",

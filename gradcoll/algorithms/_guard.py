@@ -41,8 +41,8 @@ from typing import NoReturn
 import numpy as np
 
 from ..errors import CollectiveMismatch, CollectiveTimeout, ProtocolError, TransportBroken, TransportClosed
-from ..transport._frame import LENIENT_TAG, FrameMismatch
 from ..transport.base import Deadline, Request, Transport
+from ..transport.frame import LENIENT_TAG, FrameMismatch
 from ._common import Coll, as_flat, check_op
 from ._handshake import (
     ALGOS,

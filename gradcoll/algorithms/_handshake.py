@@ -36,14 +36,7 @@ from typing import Any, NamedTuple
 import numpy as np
 
 from .. import kernels
-from ..errors import (
-    CollectiveMismatch,
-    CollectiveTimeout,
-    NonFiniteError,
-    ProtocolError,
-    TransportBroken,
-    TransportClosed,
-)
+from ..errors import CollectiveMismatch, CollectiveTimeout, NonFiniteError, ProtocolError, TransportBroken, TransportClosed
 from ._common import Coll
 
 __all__ = [

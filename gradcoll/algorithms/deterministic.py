@@ -15,7 +15,7 @@ This one does not, and it moves the same bytes as the ordinary one:
   order, so the result is a function of the multiset of contributions alone:
   the same bits whatever the algorithm, the chunking, the transport, the
   thread count or the arrival order. The exact rules are in
-  ``gradcoll._kernels.fixed_reference``.
+  ``gradcoll.kernels.exact_reference``.
 * Where an element's contributions lie within ``F - 24`` binades of its
   largest (27 at 2 ranks, 25 at 8, 19 at 1,024; almost always for the
   gradients of one parameter), nothing is rounded before the sum and the
@@ -49,19 +49,19 @@ from typing import Any
 
 import numpy as np
 
-from .._kernels import fixed_reference
 from ..errors import UsageError
-from ..transport._frame import LENIENT_TAG
+from ..kernels import exact_reference
 from ..transport.base import Transport
+from ..transport.frame import LENIENT_TAG
 from . import ALLREDUCE
 from ._common import Coll, Workspace, chunk_bounds, scratch, segment_bounds
-from ._gather import rd_allgather, rd_result, rd_steps, sits_out, star_gather, star_reply
+from ._gather_raw import rd_allgather, rd_result, rd_steps, sits_out, star_gather, star_reply
 from ._guard import guarded_allreduce
 from .ring import SEGMENT_BYTES
 
 __all__ = ["deterministic_allreduce", "exact_reduce", "fraction_bits"]
 
-fraction_bits = fixed_reference.fraction_bits
+fraction_bits = exact_reference.fraction_bits
 
 #: float64 magnitudes from which a store to the dtype gives an infinity (round half to even at the top).
 _LIMIT = {np.dtype(np.float32): 2.0**128 - 2.0**103, np.dtype(np.float64): math.inf}
@@ -79,13 +79,13 @@ def exact_reduce(own: np.ndarray, rows: np.ndarray, out: np.ndarray, divisor: fl
     """
     fused = None if backend == "numpy" else _fused()
     if fused is None:
-        return fixed_reference.exact_reduce(own, rows, out, divisor)
+        return exact_reference.exact_reduce(own, rows, out, divisor)
     tail = (float(divisor), _LIMIT[own.dtype], 1.0 / divisor if math.frexp(divisor)[0] == 0.5 else 0.0)
     if rows.shape[0] == 1:
         flag = fused.reduce_pair(own, rows[0], out, *tail)
     else:
-        uint, mask, shift, _, top = fixed_reference.BITS[own.dtype]
-        hi, lo, bmin = fixed_reference.params(own.dtype, rows.shape[0] + 1)
+        uint, mask, shift, _, top = exact_reference.BITS[own.dtype]
+        hi, lo, bmin = exact_reference.params(own.dtype, rows.shape[0] + 1)
         flag = fused.reduce_rows(own, rows, own.view(uint), rows.view(uint), out, uint(mask), uint(shift), uint(top),
                                  np.int64(hi), np.int64(lo), np.int64(bmin), *tail)
     return int(np.flatnonzero(~np.isfinite(out))[0]) if flag else -1
@@ -202,7 +202,7 @@ def _rd(coll: Coll, flat: np.ndarray, divisor: float, check: bool, ws: Workspace
 def _fused() -> Any:
     """The Numba kernels, or None (then the NumPy reference computes the same bits in more passes)."""
     try:
-        from .._kernels import numba_fixed
+        from ..kernels import numba_exact
     except ImportError:
         return None
-    return numba_fixed
+    return numba_exact

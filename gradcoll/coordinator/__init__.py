@@ -14,14 +14,14 @@ from __future__ import annotations
 from .config import SHARD_POLICIES, DistributedConfig, Role, shard_bounds
 from .protocol import DEFAULT_MAX_FRAME, ShardAssignment
 from .results import (
-                      BLOCK_COMPONENTS,
-                      NON_BLOCK_COMPONENTS,
-                      AllReduceResult,
-                      AveragedBlockResult,
-                      AveragedNonBlockResult,
-                      AveragedResult,
-                      BlockAllReduceResult,
-                      NonBlockAllReduceResult,
+    BLOCK_COMPONENTS,
+    NON_BLOCK_COMPONENTS,
+    AllReduceResult,
+    AveragedBlockResult,
+    AveragedNonBlockResult,
+    AveragedResult,
+    BlockAllReduceResult,
+    NonBlockAllReduceResult,
 )
 from .server import GradientServer
 from .worker import WorkerClient

@@ -21,18 +21,7 @@ from ._conn import POLL_S
 from ._faults import coordinator_proof, proof_matches, worker_proof
 from ._peers import Peer, log
 from .config import DistributedConfig
-from .protocol import (
-    ABORT_AUTH,
-    ABORT_PROTOCOL,
-    FLAG_SECRET,
-    Abort,
-    AuthChallenge,
-    AuthResponse,
-    Extension,
-    JoinAccepted,
-    JoinRequest,
-    Message,
-)
+from .protocol import ABORT_AUTH, ABORT_PROTOCOL, FLAG_SECRET, Abort, AuthChallenge, AuthResponse, Extension, JoinAccepted, JoinRequest, Message
 
 __all__ = ["Admission", "HANDSHAKE_S", "LINGER_S"]
 

@@ -29,18 +29,11 @@ import numpy as np
 
 from .. import kernels
 from ..algorithms._common import Workspace
-from ..errors import (
-    GradcollError,
-    GroupPoisoned,
-    NonFiniteError,
-    TransportBroken,
-    TransportClosed,
-    UsageError,
-)
+from ..errors import GradcollError, GroupPoisoned, NonFiniteError, TransportBroken, TransportClosed, UsageError
 from ..transport.base import Deadline
+from ._collect import check_same_shape, gather, halt_error
 from ._conn import POLL_S
 from ._faults import abort_code, culprit, reworded
-from ._gather import check_same_shape, gather, halt_error
 from ._join import LINGER_S, Admission
 from ._peers import Peer, Slot, log
 from .config import DistributedConfig, Role, parse_addr, shard_bounds

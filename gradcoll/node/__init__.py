@@ -18,7 +18,7 @@ peer sends is unpickled or executed. See docs/node.md.
 
 from __future__ import annotations
 
-from ..group import ProcessGroup
+from ..group.process_group import ProcessGroup
 from .caps import NodeCaps, NodeRole, collect_caps, node_device, platform_tag, send_caps
 from .config import NodeConfig, NodeGroup, PeerSource, Topology, connect_local, topology_of
 from .control import NodeControl, NodeStopHandle
@@ -28,16 +28,7 @@ from .ops import OPS
 from .reduce import mean_reduce
 from .serve import NodeReport, drive_pipeline, serve_fixed_function_n, serve_worker, serve_worker_n, ship_stage
 from .stage import OpSpec, Stage, StageSpec, compile_stage
-from .trainer import (
-    TrainMetrics,
-    TrainReport,
-    coordinate_trainer,
-    run_trainer,
-    serve_trainer,
-    serve_trainer_here,
-    ship_train_spec,
-    train_local,
-)
+from .trainer import TrainMetrics, TrainReport, coordinate_trainer, run_trainer, serve_trainer, serve_trainer_here, ship_train_spec, train_local
 from .trainspec import DataSpec, TrainSpec
 from .weights import WeightCache, weight_cache
 

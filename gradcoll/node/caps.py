@@ -15,7 +15,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from ..errors import BackendUnavailable, ProtocolError, UsageError
-from ..group import ProcessGroup
+from ..group.process_group import ProcessGroup
 from . import wire
 from .errors import StageRefused
 from .fixed_function import FixedFunction

@@ -31,8 +31,8 @@ from dataclasses import dataclass, replace
 from typing import Any
 
 from ..errors import UsageError
-from ..group import ProcessGroup
-from ..rendezvous import init_process_group
+from ..group.process_group import ProcessGroup
+from ..group.rendezvous import init_process_group
 from ..store import PrefixStore, Store, TCPStore
 from ..transport.base import Transport
 from .caps import NodeCaps, NodeRole

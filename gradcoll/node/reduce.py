@@ -19,7 +19,7 @@ from __future__ import annotations
 import numpy as np
 
 from ..errors import UsageError
-from ..group import ProcessGroup
+from ..group.process_group import ProcessGroup
 from .config import Topology, topology_of
 
 __all__ = ["mean_reduce"]

@@ -27,7 +27,7 @@ from typing import Any
 import numpy as np
 
 from ..errors import GradcollError, ProtocolError, TransportClosed, UsageError
-from ..group import ProcessGroup
+from ..group.process_group import ProcessGroup
 from . import wire
 from .caps import NodeCaps, NodeRole, node_device, platform_tag, send_caps
 from .config import Topology, topology_of

@@ -28,7 +28,7 @@ from dataclasses import dataclass, field
 import numpy as np
 
 from ..errors import ProtocolError, UsageError
-from ..group import ProcessGroup
+from ..group.process_group import ProcessGroup
 from . import wire
 from .caps import NodeCaps, collect_caps, platform_tag, send_caps
 from .errors import StageRefused

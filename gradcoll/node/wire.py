@@ -30,7 +30,7 @@ from typing import Any
 import numpy as np
 
 from ..errors import CollectiveTimeout, ProtocolError, TransportClosed
-from ..group import ProcessGroup
+from ..group.process_group import ProcessGroup
 from ..transport.base import Request
 from .control import NodeControl
 from .errors import RemoteStageError

@@ -12,14 +12,7 @@ from __future__ import annotations
 
 from .distributed import DistributedOptimizer
 from .errors import DimensionMismatch, NonFiniteUpdate, OptimizerError, StaleUpdate, WorkerNotFound
-from .values import (
-    AggregatedGradient,
-    AggregationStrategy,
-    DistOptimizerStats,
-    GradientUpdate,
-    WorkerId,
-    WorkerState,
-)
+from .values import AggregatedGradient, AggregationStrategy, DistOptimizerStats, GradientUpdate, WorkerId, WorkerState
 
 __all__ = [
     "DistributedOptimizer",

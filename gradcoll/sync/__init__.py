@@ -20,14 +20,7 @@ from typing import Any
 
 from .accumulator import AccumulatorConfig, Aggregation, DistributedGradientAccumulator, aggregate_gradients
 from .arrow import load_gradient_from_arrow, store_gradient_as_arrow
-from .blockstore import (
-    BlockNotFound,
-    BlockStore,
-    CorruptBlock,
-    FileBlockStore,
-    MemoryBlockStore,
-    compute_cid,
-)
+from .blockstore import BlockNotFound, BlockStore, CorruptBlock, FileBlockStore, MemoryBlockStore, compute_cid
 from .manifest import CHUNK_ELEMENTS, GradientManifest, get_gradient, put_gradient, read_manifest
 from .messages import (
     LOCAL_PEER,

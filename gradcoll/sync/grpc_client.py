@@ -26,15 +26,7 @@ from ..errors import CollectiveTimeout, GradcollError, ProtocolError, TransportB
 from . import wire
 from .accumulator import Aggregation
 from .grpc_server import DEFAULT_MAX_MESSAGE_BYTES, ERROR_KINDS, ERROR_METADATA, METHOD
-from .messages import (
-    AuthenticationError,
-    GradientChunkResponse,
-    GradientSyncRequest,
-    SyncResult,
-    SyncStream,
-    SyncSummary,
-    new_peer_id,
-)
+from .messages import AuthenticationError, GradientChunkResponse, GradientSyncRequest, SyncResult, SyncStream, SyncSummary, new_peer_id
 
 __all__ = ["GradientSyncClient"]
 

@@ -31,15 +31,7 @@ from typing import Any
 import grpc
 import grpc.aio
 
-from ..errors import (
-    CollectiveMismatch,
-    CollectiveTimeout,
-    GradcollError,
-    NonFiniteError,
-    ProtocolError,
-    TransportError,
-    UsageError,
-)
+from ..errors import CollectiveMismatch, CollectiveTimeout, GradcollError, NonFiniteError, ProtocolError, TransportError, UsageError
 from . import wire
 from .blockstore import BlockNotFound, CorruptBlock, FileBlockStore
 from .messages import AuthenticationError

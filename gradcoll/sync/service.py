@@ -34,15 +34,7 @@ from .accumulator import Aggregation
 from .arrow import load_gradient_from_arrow
 from .blockstore import BlockStore
 from .manifest import CHUNK_ELEMENTS, write_gradient
-from .messages import (
-    LOCAL_PEER,
-    GradientChunkResponse,
-    GradientSyncRequest,
-    SyncResult,
-    SyncStream,
-    SyncSummary,
-    new_peer_id,
-)
+from .messages import LOCAL_PEER, GradientChunkResponse, GradientSyncRequest, SyncResult, SyncStream, SyncSummary, new_peer_id
 from .sessions import Member, SessionRegistry
 
 __all__ = ["GradientSyncService"]

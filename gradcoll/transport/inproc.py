@@ -42,8 +42,8 @@ import numpy as np
 
 from ..errors import CollectiveMismatch, TransportClosed, UsageError
 from ..store import Store
-from ._frame import LENIENT_TAG, lenient_mismatch
 from .base import Deadline, Request, Transport, as_bytes_view, as_writable_view
+from .frame import LENIENT_TAG, lenient_mismatch
 
 __all__ = ["InprocTransport", "InprocWorld", "create_world", "create"]
 

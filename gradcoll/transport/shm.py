@@ -52,7 +52,7 @@ import time
 
 from ..errors import BackendUnavailable, ProtocolError, TransportBroken, TransportClosed, UsageError
 from ..store import Store
-from . import _frame as fr
+from . import frame as fr
 from .base import Deadline
 
 __all__ = ["ShmTransport", "create"]

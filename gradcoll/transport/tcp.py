@@ -32,7 +32,7 @@ from typing import cast
 
 from ..errors import CollectiveTimeout, ProtocolError, TransportBroken, TransportClosed, UsageError
 from ..store import Store
-from . import _frame as fr
+from . import frame as fr
 from .base import Deadline
 
 __all__ = ["TcpTransport", "create"]

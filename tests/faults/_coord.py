@@ -182,8 +182,7 @@ def run_coord_fault(fault: str, timeout: float = 1.0) -> CoordOutcome:
 
     from gradcoll.coordinator import DistributedConfig, GradientServer
     from gradcoll.errors import GroupPoisoned
-
-    from ._harness import STARTUP_S, context
+    from tests.faults._harness import STARTUP_S, context
 
     ctx = context()
     joining = fault in JOIN_FAULTS

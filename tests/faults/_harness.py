@@ -18,7 +18,7 @@ import time
 from dataclasses import dataclass, field
 from typing import Any
 
-from ._ranks import rank_main
+from tests.faults._ranks import rank_main
 
 STARTUP_S = 60.0  # fork, bootstrap and warm-up on a loaded 2-core machine
 SHM_DIR = "/dev/shm"

@@ -17,7 +17,7 @@ import numpy as np
 
 
 def main() -> None:
-    from gradcoll.group import ProcessGroup
+    from gradcoll.group.process_group import ProcessGroup
     from gradcoll.transport import mpi
 
     algo = sys.argv[1] if len(sys.argv) > 1 else "ring"

@@ -58,7 +58,7 @@ def _arm_self_kill(transport: Any, after: int, conn: Any) -> None:
 def rank_main(cfg: dict[str, Any], rank: int, conn: Any) -> None:
     """One rank of a fault scenario; everything it learns goes to the parent over ``conn``."""
     from gradcoll.errors import GroupPoisoned
-    from gradcoll.rendezvous import init_process_group
+    from gradcoll.group.rendezvous import init_process_group
 
     size, victim, fault, algo = cfg["size"], cfg["victim"], cfg["fault"], cfg["algorithm"]
     fds0 = fd_count()
@@ -132,7 +132,7 @@ SOAK_SIZES = (1, 3, 16, 100, 257, 1000, 4096, 65_536)  # mostly small; one in ei
 
 def soak_main(cfg: dict[str, Any], rank: int, conn: Any) -> None:
     """``cfg["iters"]`` checked allreduces of mixed sizes and algorithms; reports RSS and fds at start and end."""
-    from gradcoll.rendezvous import init_process_group
+    from gradcoll.group.rendezvous import init_process_group
 
     size = cfg["size"]
     g = init_process_group(cfg["transport"], f"file://{cfg['store']}", rank, size, timeout=60.0)

@@ -14,7 +14,7 @@ from collections.abc import Callable
 
 import pytest
 
-from ._harness import log_fault
+from tests.faults._harness import log_fault
 
 FULL = os.environ.get("GRADCOLL_FAULTS") == "full"
 REPEATS = int(os.environ.get("GRADCOLL_FAULT_REPEATS", "1"))

@@ -17,8 +17,8 @@ import time
 
 import pytest
 
-from ._harness import problems, run_collective_fault
-from .conftest import FULL, REPEATS
+from tests.faults._harness import problems, run_collective_fault
+from tests.faults.conftest import FULL, REPEATS
 
 TRANSPORTS = ("tcp", "shm")
 ALGORITHMS = ("ring", "star", "recursive_doubling")

@@ -20,8 +20,8 @@ import time
 
 import pytest
 
-from ._coord import JOIN_FAULTS, STEP_FAULTS, coord_problems, run_coord_fault
-from .conftest import FULL, REPEATS
+from tests.faults._coord import JOIN_FAULTS, STEP_FAULTS, coord_problems, run_coord_fault
+from tests.faults.conftest import FULL, REPEATS
 
 TIMEOUT = 1.0
 CASES = list(STEP_FAULTS + JOIN_FAULTS) if FULL else ["kill", "half-frame-close", "garbage", "stranger-random",

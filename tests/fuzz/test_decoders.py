@@ -14,7 +14,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from gradcoll.errors import ProtocolError
-from gradcoll.transport import _frame as fr
+from gradcoll.transport import frame as fr
 
 pytestmark = pytest.mark.timeout(900)
 FUZZ = settings.get_profile("gradcoll-fuzz")

@@ -23,8 +23,7 @@ from hypothesis import example, given, settings
 from hypothesis import strategies as st
 
 from gradcoll.errors import CollectiveMismatch, ProtocolError, UsageError
-
-from .test_decoders import mutations
+from tests.fuzz.test_decoders import mutations
 
 pytestmark = pytest.mark.timeout(900)
 FUZZ = settings.get_profile("gradcoll-fuzz")

@@ -289,7 +289,7 @@ def warmup() -> None:
             accumulate(out, x[0], None, 2, True)
             is_all_finite(out)
         reduce_rows(np.ones((2, 8), np.float32), np.empty(8, np.float64), np.dtype(np.float64), 2, True)
-    from . import numba_fixed, numba_wire  # the wire and deterministic kernels are Numba's too
+    from . import numba_exact, numba_lowp  # the wire and deterministic kernels are Numba's too
 
-    numba_wire.warmup()
-    numba_fixed.warmup()
+    numba_lowp.warmup()
+    numba_exact.warmup()

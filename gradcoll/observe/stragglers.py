@@ -1,11 +1,11 @@
 """``gradcoll stragglers TRACE.json [...]``: which ranks made the others wait.
 
 Reads Chrome traces written by [`ProcessGroup`][gradcoll.group.ProcessGroup]
-(per-rank files or one merged file, see [`gradcoll.trace`][gradcoll.trace]) and matches
+(per-rank files or one merged file, see [`gradcoll.trace`][gradcoll.observe.trace]) and matches
 the events of one collective across ranks by sequence number (and world
 size, so the groups before and after a ``shrink()`` stay apart). In every
 collective the rank that arrived last held up every other: each other rank
-``r`` waited ``arrival(last) - arrival(r)`` for it. [`rank_stragglers`][gradcoll.stragglers.rank_stragglers]
+``r`` waited ``arrival(last) - arrival(r)`` for it. [`rank_stragglers`][gradcoll.observe.stragglers.rank_stragglers]
 charges that whole wait to the last arriver and ranks the ranks by it.
 Arrival times are wall-clock, so ranks on different hosts compare only as
 well as their clocks agree.
@@ -67,7 +67,7 @@ def rank_stragglers(events: Iterable[dict[str, Any]]) -> tuple[list[Straggler], 
 
 def build_parser(sub: Any) -> argparse.ArgumentParser:
     """Add the ``stragglers`` subcommand to ``sub`` (an argparse subparsers object)."""
-    from ._cli import existing_file, non_negative_int, subcommand, writable_path
+    from ..cli._args import existing_file, non_negative_int, subcommand, writable_path
 
     p = subcommand(sub, "stragglers", "name the ranks whose late arrival made the others wait (from traces)",
                    "Read Chrome traces written by ProcessGroup(trace=...) or stop_trace() (per-rank files or one "

@@ -10,7 +10,7 @@ the per-operation totals cover every collective since the group was built.
 A trace is the same records written as Chrome trace JSON (``chrome://tracing``,
 Perfetto): ``{"traceEvents": [...]}`` with one complete event (``ph "X"``) per
 collective and ``pid`` = rank, so each rank is one track. Each rank writes
-its own file ([`trace_path`][gradcoll.trace.trace_path] names it); [`merge`][gradcoll.trace.merge] joins them, and
+its own file ([`trace_path`][gradcoll.observe.trace.trace_path] names it); [`merge`][gradcoll.observe.trace.merge] joins them, and
 ``gradcoll stragglers`` reads either. Times are wall-clock microseconds
 (``time.time``), so traces of ranks on different hosts line up only as well
 as their clocks do.
@@ -167,7 +167,7 @@ class Recorder:
     # -- tracing -------------------------------------------------------------
     @property
     def tracing(self) -> bool:
-        """True between [`start_trace`][gradcoll.trace.Recorder.start_trace] and [`stop_trace`][gradcoll.trace.Recorder.stop_trace]."""
+        """True between [`start_trace`][gradcoll.observe.trace.Recorder.start_trace] and [`stop_trace`][gradcoll.observe.trace.Recorder.stop_trace]."""
         return self._events is not None
 
     def start_trace(self) -> None:

@@ -1,6 +1,6 @@
 """numba.cuda kernels of the ``cuda``/``cudasim`` backends (device code only).
 
-They live apart from the host code in ``gradcoll._kernels.cuda`` because
+They live apart from the host code in ``gradcoll.kernels.cuda`` because
 numba's simulator swaps the ``cuda`` global of a kernel's module while the
 kernel runs: host code in the same module, called from another thread at that
 moment, would see the simulator's fake module.
@@ -76,7 +76,7 @@ def _scale_kernel(buf, factor):
         buf[i] = buf[i] * factor
 
 
-# -- low-precision wire (see wire_reference.py for the bit rules) ----------------------
+# -- low-precision wire (see lowp_reference.py for the bit rules) ----------------------
 # Float bits are reached through uint32 views made on the host, and widening
 # reads a 65,536-entry float32 table (bf16 or fp16), so no bit-cast intrinsic
 # is needed and the simulator runs the same code.

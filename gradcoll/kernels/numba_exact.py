@@ -1,4 +1,4 @@
-"""Numba kernels of the deterministic allreduce: the exact reduction of ``gradcoll._kernels.fixed_reference``, fused.
+"""Numba kernels of the deterministic allreduce: the exact reduction of ``gradcoll.kernels.exact_reference``, fused.
 
 Per element: the largest magnitude's exponent as an integer max over the
 contributions' bits; the scale ``2**(F-E)`` built from that exponent's bits
@@ -66,7 +66,7 @@ def reduce_pair(own, row, out, divisor, limit, recip):
 
     IEEE addition is commutative, so two contributions need no grid: the
     float64 sum is the same whichever rank holds which (see
-    ``gradcoll._kernels.fixed_reference.exact_reduce``).
+    ``gradcoll.kernels.exact_reference.exact_reduce``).
     """
     m = own.shape[0]
     res = np.empty(_BLOCK, np.float64)  # results go through a private block: ``out`` may be ``own``

@@ -37,11 +37,11 @@ BACKENDS = ("cython", "numba", "numpy", "cuda", "cudasim")
 SMALL_ELEMS = 16384
 
 _MODULES = {
-    "numpy": "gradcoll._kernels.numpy_backend",
-    "numba": "gradcoll._kernels.numba_cpu",
-    "cython": "gradcoll._kernels.cython_backend",
-    "cuda": "gradcoll._kernels.cuda",
-    "cudasim": "gradcoll._kernels.cuda",
+    "numpy": "gradcoll.kernels.numpy_backend",
+    "numba": "gradcoll.kernels.numba_cpu",
+    "cython": "gradcoll.kernels.cython_backend",
+    "cuda": "gradcoll.kernels.cuda",
+    "cudasim": "gradcoll.kernels.cuda",
 }
 
 

@@ -28,16 +28,9 @@ from typing import Any
 
 import numpy as np
 
-from ._kernels import reference
-from ._kernels.select import (
-    SMALL_ELEMS,
-    available_backends,
-    choose_backend,
-    env_override,
-    env_override_set,
-    load_backend,
-)
-from .errors import NonFiniteError, UsageError
+from ..errors import NonFiniteError, UsageError
+from . import reference
+from .select import SMALL_ELEMS, available_backends, choose_backend, env_override, env_override_set, load_backend
 
 __all__ = [
     "mean_reduce",
@@ -63,7 +56,7 @@ _OPS = {"mean": True, "sum": False}
 def _fast_paths() -> tuple[Callable[..., Any], Callable[..., Any]] | None:
     """The compiled extension's validated fast paths, or None when it is not built."""
     try:
-        from ._kernels import _cython_kernels as ck  # type: ignore[attr-defined]
+        from . import _cython_kernels as ck  # type: ignore[attr-defined]
     except ImportError:
         return None
     return ck.reduce_fast, ck.accumulate_fast
@@ -302,25 +295,25 @@ def _wire_backend(backend: str | None, device: bool = False) -> Any:
         return reference_wire() if name == "numpy" else load_backend(name).WIRE
     if name == "cython":  # what a group uses: one thread per rank
         try:
-            from ._kernels import cython_wire
+            from . import cython_lowp
 
-            return cython_wire
+            return cython_lowp
         except ImportError:
             pass  # not built: Numba, below
     try:
         load_backend("numba")  # the registry keeps the original error if it fails
     except Exception:  # noqa: BLE001 - no JIT here: the reference is correct, only slower
         return reference_wire()
-    from ._kernels import numba_wire
+    from . import numba_lowp
 
-    return numba_wire
+    return numba_lowp
 
 
 def reference_wire() -> Any:
     """The NumPy oracle of the wire kernels."""
-    from ._kernels import wire_reference
+    from . import lowp_reference
 
-    return wire_reference
+    return lowp_reference
 
 
 def _check_wire(wire: str) -> str:

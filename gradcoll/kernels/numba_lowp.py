@@ -1,9 +1,9 @@
 """Numba kernels of the low-precision wire: encode, decode, and the fused decode-accumulate.
 
-Same bits as ``gradcoll._kernels.wire_reference`` (the oracle). One pass
+Same bits as ``gradcoll.kernels.lowp_reference`` (the oracle). One pass
 per call: ``accumulate`` widens each received wire value, adds it into the
 float32 accumulator, optionally divides, and ORs the exponent bits of the
-result for the finite check, block by block like ``gradcoll._kernels.numba_cpu``; no
+result for the finite check, block by block like ``gradcoll.kernels.numba_cpu``; no
 ``fastmath`` (its ``nnan``/``ninf`` flags would delete the check). The
 bf16 encode is a pure integer round-to-nearest-even; the fp16 encode is the
 branch-light IEEE conversion (exponent rebias plus round-half-even on the
@@ -16,7 +16,7 @@ from __future__ import annotations
 import numpy as np
 from numba import njit, prange
 
-from .wire_reference import fp16_table
+from .lowp_reference import fp16_table
 
 NAME = "numba"
 BLOCK = 4096

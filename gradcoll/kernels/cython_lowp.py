@@ -1,7 +1,7 @@
 """The low-precision wire kernels of the ``cython`` backend: serial, compiled, no JIT warm-up.
 
-Same interface and bits as ``gradcoll._kernels.numba_wire`` (and the oracle
-``gradcoll._kernels.wire_reference``). A process group uses the ``cython`` kernels by
+Same interface and bits as ``gradcoll.kernels.numba_lowp`` (and the oracle
+``gradcoll.kernels.lowp_reference``). A process group uses the ``cython`` kernels by
 default, so its wire allreduce runs these: one thread per rank, where the
 threaded Numba kernels of every rank would compete for the same cores.
 Importing this module raises ImportError when the extension was not built.
@@ -12,7 +12,7 @@ from __future__ import annotations
 import numpy as np
 
 from . import _cython_kernels as _ck  # type: ignore[attr-defined]
-from .wire_reference import fp16_table
+from .lowp_reference import fp16_table
 
 NAME = "cython"
 

@@ -67,7 +67,7 @@ def _ephemeral_range() -> tuple[int, int]:
 
 
 class OutputSink(Protocol):
-    """Where [`launch`][gradcoll.launch.launch] writes the ranks' output: any text stream with ``write`` and ``flush``."""
+    """Where [`launch`][gradcoll.cli.launch.launch] writes the ranks' output: any text stream with ``write`` and ``flush``."""
 
     def write(self, s: str, /) -> int: ...
 
@@ -185,7 +185,7 @@ def _stop_all(procs: list[subprocess.Popen[bytes]], grace: float) -> None:
 
 def build_parser(sub: argparse._SubParsersAction[argparse.ArgumentParser] | None = None) -> argparse.ArgumentParser:
     """The ``launch`` argument parser (standalone or as a subcommand)."""
-    from ._cli import existing_file, port, positive_float, positive_int, subcommand
+    from ._args import existing_file, port, positive_float, positive_int, subcommand
 
     p = subcommand(sub, "launch", "start N local ranks of a Python script (like torchrun on one host)",
                    "Start N local ranks of a Python script with RANK, WORLD_SIZE, LOCAL_RANK, LOCAL_WORLD_SIZE, "

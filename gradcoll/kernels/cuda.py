@@ -24,14 +24,7 @@ from numba import config, cuda
 
 from ..errors import BackendUnavailable, UsageError
 from . import reference
-from ._cuda_kernels import (
-    _accumulate_kernel,
-    _accumulate_wire_kernel,
-    _encode_wire_kernel,
-    _finite_kernel,
-    _reduce_kernel,
-    _scale_kernel,
-)
+from ._cuda_kernels import _accumulate_kernel, _accumulate_wire_kernel, _encode_wire_kernel, _finite_kernel, _reduce_kernel, _scale_kernel
 
 NAME = "cuda"
 THREADS = 256
@@ -224,7 +217,7 @@ def accumulate_device(acc: Any, x: Any, *, scale: float | None, divide_by: float
     fa = da.reshape(da.size)
     if not _accumulate_device_raw(fa, dx.reshape(dx.size), scale, divide_by, check_finite):
         hx = dx.copy_to_host().reshape(-1)
-        from ..kernels import _explain_accumulate
+        from . import _explain_accumulate
 
         _explain_accumulate(fa.copy_to_host(), hx)
     return acc
@@ -254,7 +247,7 @@ _TABLE_LOCK = threading.Lock()  # (wire, context) -> the 256 KiB decode table on
 
 def _wire_table(wire: str) -> Any:
     """The float32 value of every uint16 pattern of ``wire``, on the current device: copied once per context."""
-    from .wire_reference import fp16_table
+    from .lowp_reference import fp16_table
 
     ctx = None if config.ENABLE_CUDASIM else cuda.current_context()  # the simulator has one (fresh-object) context
     key = (wire, id(ctx))
@@ -274,7 +267,7 @@ def encode_wire_device(src: Any, dst: Any, wire: str, check: bool) -> Any:
     flat = d.reshape(d.size)
     out = cuda.device_array(d.size, np.uint16) if dst is None else _dev(dst).reshape(d.size)
     if not _encode_raw(flat, out, wire) and check:
-        from ..kernels import _explain_wire
+        from . import _explain_wire
 
         _explain_wire(flat.copy_to_host(), out.copy_to_host(), wire, "encode_wire (cuda)")
     return out if dst is None else dst
@@ -317,7 +310,7 @@ def accumulate_wire_device(acc: Any, x: Any, wire: str, divisor: float | None, c
 
 
 class _WireHost:
-    """Host arrays through the device, with the wire-backend contract of numba_wire / wire_reference."""
+    """Host arrays through the device, with the wire-backend contract of numba_lowp / lowp_reference."""
 
     @staticmethod
     def encode(src: np.ndarray, dst: np.ndarray, wire: str, check: bool) -> bool:

@@ -16,7 +16,7 @@ from typing import Any
 
 import numpy as np
 
-from .errors import UsageError
+from ..errors import UsageError
 
 __all__ = ["Buffer", "as_buffer", "is_device_array"]
 

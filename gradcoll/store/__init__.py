@@ -36,7 +36,7 @@ import threading
 import time
 from collections.abc import Iterable, Iterator
 
-from .errors import CollectiveTimeout, GradcollError, ProtocolError, TransportBroken, UsageError, seconds
+from ..errors import CollectiveTimeout, GradcollError, ProtocolError, TransportBroken, UsageError, seconds
 
 __all__ = ["Store", "HashStore", "PrefixStore", "TCPStore", "FileStore"]
 

@@ -1,6 +1,6 @@
 """``gradcoll bench``: an nccl-tests-style allreduce table over local ranks.
 
-The driver launches N ranks ([`gradcoll.launch.launch`][gradcoll.launch.launch]); each rank
+The driver launches N ranks ([`gradcoll.launch.launch`][gradcoll.cli.launch.launch]); each rank
 sweeps the sizes, times ``iters`` allreduces after ``warmup`` ones, checks
 the result against the exact expected mean (#wrong) and reports one JSON line
 per size. The driver renders a progress bar and the table; `--json` keeps the
@@ -52,11 +52,11 @@ from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
-from .algorithms import ALLREDUCE
+from ..algorithms import ALLREDUCE
 
 if TYPE_CHECKING:
-    from .group import ProcessGroup
-    from .trace import CollectiveRecord
+    from ..group.process_group import ProcessGroup
+    from ..observe.trace import CollectiveRecord
 
 __all__ = ["build_parser", "check_args", "run_from_args", "worker_main", "parse_size", "sizes_between", "load_rows",
            "FIELDS", "HEADER", "format_row", "plot"]
@@ -146,7 +146,7 @@ def load_rows(path: str) -> list[dict[str, Any]]:
 
 
 def _expected(rank_values: np.ndarray, world: int) -> np.ndarray:
-    from .kernels import mean_reduce
+    from ..kernels import mean_reduce
 
     expected: np.ndarray = mean_reduce([rank_values * np.float32(r + 1) for r in range(world)])  # host inputs give a host array
     return expected
@@ -154,7 +154,7 @@ def _expected(rank_values: np.ndarray, world: int) -> np.ndarray:
 
 def _ran(group: ProcessGroup) -> str:
     """The allreduce algorithm of the group's last collective, from its records ("deterministic ring" -> "ring")."""
-    from .errors import GradcollError
+    from ..errors import GradcollError
 
     rec: CollectiveRecord = group.stats().recent[-1]
     names = [w for w in rec.algorithm.replace("(", " ").split() if w in ALLREDUCE]
@@ -277,7 +277,7 @@ def format_row(r: dict[str, Any]) -> str:
 
 def build_parser(sub: argparse._SubParsersAction[argparse.ArgumentParser] | None = None) -> argparse.ArgumentParser:
     """The ``bench`` argument parser."""
-    from ._cli import non_negative_int, positive_int, subcommand, writable_path
+    from ._args import non_negative_int, positive_int, subcommand, writable_path
 
     epilog = "\n".join([
         textwrap.fill("Sizes are bytes: 4096, or with a binary suffix, 4K, 1M, 1G (K = 1024). The sweep doubles from "
@@ -332,7 +332,7 @@ def run_from_args(a: argparse.Namespace) -> int:
           "algbw = size / time max; busbw = algbw x 2(n-1)/n")
     print(HEADER)
     col = _Collector(len(sizes), sys.stderr.isatty())
-    cmd = [sys.executable, "-m", "gradcoll.bench", "--worker", "--sizes", str(a.min_size), str(a.max_size),
+    cmd = [sys.executable, "-m", "gradcoll.cli.bench", "--worker", "--sizes", str(a.min_size), str(a.max_size),
            "--algorithm", a.algorithm, "--iters", str(a.iters), "--warmup", str(a.warmup)]
     cmd += ["--deterministic"] if a.deterministic else []
     cmd += ["--wire-dtype", a.wire_dtype] if a.wire_dtype else []

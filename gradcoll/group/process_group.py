@@ -1,27 +1,4 @@
-"""ProcessGroup: the collectives of one group of ranks, over one transport.
-
-A [`ProcessGroup`][gradcoll.group.ProcessGroup] is an explicit object (there is no default group).
-It numbers every collective (``seq``, the same on every rank when every rank
-makes the same calls), picks an algorithm, runs it on the caller's buffer in
-place, and returns the buffer.
-
-``async_op=True`` returns a [`Work`][gradcoll.group.Work] at once; the collective runs on
-the group's one background thread, in submission order, so communication
-overlaps the caller's compute. A synchronous call made while asynchronous
-work is queued waits its turn behind it, which keeps the order of
-collectives the same on every rank. A group is meant to be driven by one
-thread (like a CUDA stream); ``Work`` handles may be waited on from any.
-
-Failure is sticky: a collective that raises poisons the group, and every
-later call raises [`GroupPoisoned`][gradcoll.errors.GroupPoisoned] chained to the
-original error. Misuse caught before anything is sent (a wrong dtype, an
-unknown op) raises [`UsageError`][gradcoll.errors.UsageError] and does not.
-
-``algorithm="auto"`` runs what the cost model fitted to this project's
-measurements predicts fastest for the message size, the world size and the
-transport ([`gradcoll.algorithms.select_allreduce`][gradcoll.algorithms.select_allreduce]; the thresholds and
-how they are derived are in docs/scaling.md).
-"""
+"""`ProcessGroup` and `Work`: the collectives of one group of ranks over one transport (see `gradcoll.group`)."""
 
 from __future__ import annotations
 
@@ -32,14 +9,14 @@ from typing import Any
 
 import numpy as np
 
-from .algorithms import ALLREDUCE, allgather, barrier, broadcast, reduce_scatter, select_allreduce
-from .algorithms._common import REDUCE_DTYPES, Workspace, check_op
-from .algorithms.ring import SEGMENT_BYTES
+from ..algorithms import ALLREDUCE, allgather, barrier, broadcast, reduce_scatter, select_allreduce
+from ..algorithms._common import REDUCE_DTYPES, Workspace, check_op
+from ..algorithms.ring import SEGMENT_BYTES
+from ..errors import CollectiveTimeout, GroupPoisoned, TransportClosed, UsageError
+from ..observe.diagnosis import ControlChannel, Diagnostics
+from ..observe.trace import GroupStats
+from ..transport.base import Transport
 from .buffers import as_buffer, is_device_array
-from .diagnosis import ControlChannel, Diagnostics
-from .errors import CollectiveTimeout, GroupPoisoned, TransportClosed, UsageError
-from .trace import GroupStats
-from .transport.base import Transport
 
 __all__ = ["ProcessGroup", "Work"]
 
@@ -94,7 +71,7 @@ def _writable(buf: Any, *, reduce: bool, what: str = "buf") -> tuple[np.ndarray,
     """A C-contiguous array to run on, and a function that copies the result back into ``buf``.
 
     NumPy arrays that are strided views are copied and written back (documented);
-    every other object goes through [`gradcoll.buffers.as_buffer`][gradcoll.buffers.as_buffer], which views
+    every other object goes through [`gradcoll.buffers.as_buffer`][gradcoll.group.buffers.as_buffer], which views
     it without a copy or refuses it with an error naming it.
     """
     if not isinstance(buf, np.ndarray):
@@ -130,9 +107,9 @@ class ProcessGroup:
     has run this long logs, on logger ``"gradcoll"``, which ranks have arrived
     and which have not, and keeps waiting (``gradcoll.diagnosis``).
     ``trace``: record a Chrome trace from the start and write it at
-    [`close`][gradcoll.group.ProcessGroup.close] (each rank to its own file, see [`gradcoll.trace.trace_path`][gradcoll.trace.trace_path]).
+    [`close`][gradcoll.group.ProcessGroup.close] (each rank to its own file, see [`gradcoll.trace.trace_path`][gradcoll.observe.trace.trace_path]).
     ``stats_window``: how many recent records [`stats`][gradcoll.group.ProcessGroup.stats] keeps. ``control``
-    is the control channel [`init_process_group`][gradcoll.rendezvous.init_process_group]
+    is the control channel [`init_process_group`][gradcoll.group.rendezvous.init_process_group]
     sets up (stall reports from peers, [`shrink`][gradcoll.group.ProcessGroup.shrink]).
     """
 
@@ -296,8 +273,8 @@ class ProcessGroup:
     def _precise_allreduce(self, buf: Any, op: str, algorithm: str, check_finite: bool, async_op: bool,
                            timeout: float | None, wire: str | None, deterministic: bool) -> Any:
         """The low-precision wire path or the bitwise-reproducible path (see [`allreduce`][gradcoll.group.ProcessGroup.allreduce])."""
-        from .algorithms.deterministic import deterministic_allreduce
-        from .algorithms.wire import wire_allreduce, wire_of
+        from ..algorithms.deterministic import deterministic_allreduce
+        from ..algorithms.low_precision import wire_allreduce, wire_of
 
         if not isinstance(buf, np.ndarray):
             buf = as_buffer(buf, writable=True, what="buf").array
@@ -327,7 +304,7 @@ class ProcessGroup:
         """Allreduce of a device array: stage to pinned host memory, allgather, reduce on the device."""
         from numba import cuda
 
-        from .kernels import mean_reduce
+        from ..kernels import mean_reduce
 
         dev = as_buffer(buf, what="buf").array
         check_op(op)
@@ -462,7 +439,7 @@ class ProcessGroup:
         return self._diag.rec.stats()
 
     def start_trace(self) -> None:
-        """Start recording a Chrome trace of this rank's collectives (see [`gradcoll.trace`][gradcoll.trace])."""
+        """Start recording a Chrome trace of this rank's collectives (see [`gradcoll.trace`][gradcoll.observe.trace])."""
         self._diag.rec.start_trace()
 
     def stop_trace(self, path: str) -> str | None:
@@ -475,7 +452,7 @@ class ProcessGroup:
         Every survivor must call it. This group is closed; the new one has the
         survivors renumbered in old rank order and sequence numbers from 0.
         Raises ShrinkFailed when no agreement is reached within ``timeout``
-        (default the group's) or this rank was left out. See [`gradcoll.shrink`][gradcoll.shrink].
+        (default the group's) or this rank was left out. See [`gradcoll.shrink`][gradcoll.group.shrink].
         """
         from .shrink import shrink
 

@@ -1,4 +1,4 @@
-"""NumPy reference of the exact reduction behind ``deterministic=True`` (the oracle for numba_fixed).
+"""NumPy reference of the exact reduction behind ``deterministic=True`` (the oracle for numba_exact).
 
 For one element, ``n`` contributions ``x_1 .. x_n`` (float32 or float64):
 

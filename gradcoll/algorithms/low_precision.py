@@ -32,10 +32,10 @@ import numpy as np
 
 from .. import kernels
 from ..errors import NonFiniteError, UsageError
-from ..transport._frame import LENIENT_TAG
 from ..transport.base import Transport
+from ..transport.frame import LENIENT_TAG
 from ._common import Coll, Workspace, chunk_bounds, scratch
-from ._gather import rd_allgather, rd_result, rd_steps, sits_out, star_gather, star_reply
+from ._gather_raw import rd_allgather, rd_result, rd_steps, sits_out, star_gather, star_reply
 from ._guard import ERRORS, begin, fail
 from ._handshake import NONFINITE
 

@@ -61,7 +61,7 @@ ring and ``S`` for the star and recursive doubling (``Work.message``).
   rows). The first sender's copy in and the last receiver's copy out are not
   on it: the transports stream a message, and a receiver that is only
   waiting copies out behind the sender's copy in (see
-  ``gradcoll.transport.sim``). They still load the node's memory, so
+  ``gradcoll.model.sim``). They still load the node's memory, so
   the cache term counts them (``streamed``, ``2 S``).
 * ``recursive_doubling``: ``log2 p`` exchanges of ``S`` bytes (``S`` copied
   in and ``S`` out: both ends copy their own message in, then the other's
@@ -85,7 +85,7 @@ lists the sizes where the fastest algorithm changes; ``stored_models``
 reads the models fitted to this project's measurements
 (``costmodel_fitted.json``, written by ``benches/fit_costmodel.py``), from
 which ``algorithm="auto"`` takes its thresholds. The simulated transport
-``gradcoll.transport.sim`` runs the real algorithm code against the same
+``gradcoll.model.sim`` runs the real algorithm code against the same
 model (one core per rank, so without ``switch``, the shared CPU and
 ``wait_share``); its virtual times equal these closed forms.
 """
@@ -102,7 +102,7 @@ from typing import Any, NamedTuple
 
 import numpy as np
 
-from .errors import UsageError
+from ..errors import UsageError
 
 __all__ = ["AlphaBeta", "Node", "Work", "ALGORITHMS", "PARAMETERS", "terms", "work", "predict", "best", "fit",
            "crossovers", "busbw", "link_model", "stored_models", "FITTED_PATH"]
@@ -119,7 +119,7 @@ PARAMETERS = ("alpha_s", "switch_s", "beta_s_per_byte", "gamma_s_per_byte", "del
 L2_COPIES = 4
 
 #: The stored models fitted to this project's measurements (``benches/fit_costmodel.py --write``).
-FITTED_PATH = os.path.join(os.path.dirname(os.path.abspath(__file__)), "costmodel_fitted.json")
+FITTED_PATH = os.path.join(os.path.dirname(os.path.abspath(__file__)), "fitted.json")
 
 
 @dataclass(frozen=True)

@@ -39,9 +39,9 @@ from __future__ import annotations
 import time
 from typing import Any
 
-from .diagnosis import DECIDE, JOIN, PING, SHRINKING, ControlChannel
-from .errors import ShrinkFailed, UsageError
-from .store import HashStore, PrefixStore, Store, TCPStore
+from ..errors import ShrinkFailed, UsageError
+from ..observe.diagnosis import DECIDE, JOIN, PING, SHRINKING, ControlChannel
+from ..store import HashStore, PrefixStore, Store, TCPStore
 
 __all__ = ["shrink"]
 

@@ -32,10 +32,10 @@ from dataclasses import dataclass
 from typing import Any
 from urllib.parse import urlsplit
 
-from .errors import BackendUnavailable, CollectiveTimeout, ProtocolError, UsageError, seconds
-from .group import ProcessGroup
-from .store import FileStore, PrefixStore, Store, TCPStore
-from .transport.base import Deadline
+from ..errors import BackendUnavailable, CollectiveTimeout, ProtocolError, UsageError, seconds
+from ..store import FileStore, PrefixStore, Store, TCPStore
+from ..transport.base import Deadline
+from .process_group import ProcessGroup
 
 __all__ = ["init_process_group", "parse_init_method", "env_rank_size", "InitMethod", "DEFAULT_PORT",
            "DEFAULT_STARTUP_TIMEOUT", "join"]
@@ -126,7 +126,7 @@ def _load_backend(backend: str) -> Any:
 
 def _default_kernels() -> str | None:
     """'cython' when the compiled extension loads here, else None (automatic choice)."""
-    from .kernels import available_backends
+    from ..kernels import available_backends
 
     return "cython" if "cython" in available_backends() else None
 
@@ -349,7 +349,7 @@ def _connect(ns: Store, backend: str, rank: int, size: int, *, timeout: float, g
              kernel_backend: str | None, transport_options: dict[str, Any], group_options: dict[str, Any],
              control_host: str | None = None, generation: int = 0) -> ProcessGroup:
     """Connect the transport and the control channel through ``ns`` and return the group (init and shrink)."""
-    from .diagnosis import open_control
+    from ..observe.diagnosis import open_control
 
     module = _load_backend(backend)
     transport = module.create(ns, rank, size, timeout=timeout, **transport_options)

@@ -26,9 +26,9 @@ from typing import Any, TypeVar
 
 import numpy as np
 
-from .errors import CollectiveMismatch, CollectiveTimeout, TransportBroken, TransportClosed, UsageError
-from .store import FileStore, HashStore
-from .transport.base import Deadline, Transport
+from ..errors import CollectiveMismatch, CollectiveTimeout, TransportBroken, TransportClosed, UsageError
+from ..store import FileStore, HashStore
+from ..transport.base import Deadline, Transport
 
 __all__ = [
     "threaded_group",

@@ -80,9 +80,9 @@ from typing import Any
 import numpy as np
 
 from .. import kernels
-from ..costmodel import AlphaBeta, out_of_l2
 from ..errors import CollectiveMismatch, UsageError
-from .base import Request, Transport, as_bytes_view, as_writable_view
+from ..transport.base import Request, Transport, as_bytes_view, as_writable_view
+from .costmodel import AlphaBeta, out_of_l2
 
 __all__ = ["SimTransport", "SimWorld", "simulate"]
 

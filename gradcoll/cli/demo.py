@@ -1,6 +1,6 @@
 """``gradcoll demo`` (``make demo``): data-parallel training across local processes.
 
-Starts N ranks with [`gradcoll.launch.launch`][gradcoll.launch.launch]. Each rank trains the same
+Starts N ranks with [`gradcoll.launch.launch`][gradcoll.cli.launch.launch]. Each rank trains the same
 small NumPy MLP on its slice of every global batch and averages gradients with
 ``ProcessGroup.allreduce`` (finite-checked). Rank 0 shows progress while it
 runs, then replays the same global batches in one process and reports how far
@@ -110,7 +110,8 @@ def train_single(steps: int, lr: float, global_batch: int, x: np.ndarray, y: np.
 def worker_main(argv: Sequence[str] | None = None) -> int:
     """One rank of the demo (run by the launcher)."""
     import gradcoll
-    from gradcoll.algorithms import select_allreduce
+
+    from ..algorithms import select_allreduce
 
     ap = argparse.ArgumentParser()
     ap.add_argument("--steps", type=int, default=300)
@@ -175,7 +176,7 @@ def worker_main(argv: Sequence[str] | None = None) -> int:
 
 def build_parser(sub: argparse._SubParsersAction[argparse.ArgumentParser] | None = None) -> argparse.ArgumentParser:
     """The ``demo`` argument parser."""
-    from ._cli import positive_int, subcommand
+    from ._args import positive_int, subcommand
 
     p = subcommand(sub, "demo", "train a small model data-parallel over local ranks and check it against one process",
                    "Train a small NumPy MLP data-parallel across N local processes (gradients averaged with "
@@ -199,7 +200,7 @@ def run_from_args(a: argparse.Namespace) -> int:
 
     print(f"gradcoll demo: {a.nprocs} ranks over {a.backend}, {a.steps} steps", flush=True)
     res = launch(
-        [sys.executable, "-m", "gradcoll.demo", "--worker", "--steps", str(a.steps)],
+        [sys.executable, "-m", "gradcoll.cli.demo", "--worker", "--steps", str(a.steps)],
         a.nprocs,
         backend=a.backend,
         timeout=600,

@@ -2,7 +2,7 @@
 
 A rank waiting in a collective knows directly only about the peers it is
 receiving from. To say which ranks have *arrived*, each group built by
-[`init_process_group`][gradcoll.rendezvous.init_process_group] gets a **control channel**:
+[`init_process_group`][gradcoll.group.rendezvous.init_process_group] gets a **control channel**:
 one UDP socket per rank, bound to the transport's host, whose addresses every
 rank learned through the bootstrap store. Nothing travels on it while all is
 well. The group's **monitor** thread (one per group) serves it and watches the
@@ -24,7 +24,7 @@ Datagrams carry a random 8-byte group token (set by rank 0 at bootstrap), so
 a stray one from another group is ignored. Without a control channel (a
 group built directly on a transport) the warning gives this rank's own view
 only. The channel is also how survivors agree on membership after a failure
-([`gradcoll.shrink`][gradcoll.shrink]). UDP across hosts may be filtered or lossy: the
+([`gradcoll.shrink`][gradcoll.group.shrink]). UDP across hosts may be filtered or lossy: the
 stall report then lists those peers under "no answer".
 """
 
@@ -40,7 +40,7 @@ import weakref
 from collections.abc import Callable
 from typing import Any
 
-from .store import Store
+from ..store import Store
 from .trace import Recorder
 
 __all__ = [
