@@ -34,7 +34,7 @@ fuzz: $(STAMP)
 faults: $(STAMP)
 	mkdir -p build && rm -f build/faults.jsonl
 	GRADCOLL_FAULTS=full GRADCOLL_FAULT_REPEATS=3 GRADCOLL_SOAK_ITERS=10000 GRADCOLL_FAULT_LOG=$(CURDIR)/build/faults.jsonl \
-		$(PY) -m pytest -q tests/faults tests/test_soak.py -p no:cacheprovider
+		$(PY) -m pytest -q tests/faults tests/group/test_soak.py -p no:cacheprovider
 	$(PY) benches/faults_report.py build/faults.jsonl docs/reliability.md
 
 docs: $(STAMP)

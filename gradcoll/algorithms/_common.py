@@ -222,7 +222,7 @@ class Coll:
         except (CollectiveTimeout, TransportClosed, TransportBroken, CollectiveMismatch) as exc:
             raise self.translate(exc, peer) from exc
         finally:
-            self.t.blocked_s += time.perf_counter() - t0  # ProcessGroup.stats() "wait time"
+            self.t.note_wait(time.perf_counter() - t0)  # ProcessGroup.stats() "wait time"
         if self.pending:
             self.pending.pop(req, None)
         return n
@@ -243,4 +243,4 @@ class Coll:
         except (CollectiveTimeout, TransportClosed, TransportBroken, CollectiveMismatch) as exc:
             raise self.translate(exc, peer) from exc
         finally:
-            self.t.blocked_s += time.perf_counter() - t0
+            self.t.note_wait(time.perf_counter() - t0)

@@ -87,7 +87,7 @@ def begin(coll: Coll, kind: str, algo: str, op: str | None, flat: np.ndarray, ch
     dt = flat.dtype
     coll.desc = (_KIND[kind], _ALGO[algo], _OP[op or "-"], ord(dt.char), dt.itemsize, root, flat.size, coll.seq)
     coll.status = status
-    if getattr(coll.t, "lenient_tags", False):
+    if coll.t.lenient_tags:
         tag0 = LENIENT_TAG | (hash(coll.desc + (check,)) & _HASH_MASK)  # ints only: the same in every process
         coll.tag0 = tag0
         coll.pending = {}
@@ -164,9 +164,7 @@ def _exchange(coll: Coll, table: list[Record | None], collect: bool) -> None:
         # already reading a frame finishes it first (that frame may be p's alarm).
         leftovers = list((coll.pending or {}).items())
         for req, _ in leftovers:
-            cancel = getattr(req, "cancel", None)
-            if cancel is not None:
-                cancel()
+            req.cancel()
         posted = {p: _post(t, p, table) for p in peers if table[p] is None}  # all at once: none waits for another
         for req, p in leftovers:  # only an alarm counts: their own failures are this rank's story
             try:
@@ -182,9 +180,8 @@ def _exchange(coll: Coll, table: list[Record | None], collect: bool) -> None:
                     table[p] = _parse(bytes(buf))
                 elif table[p] is None:  # a stray data frame went by: wait for the next one
                     alarm, buf = _post(t, p, table)
-            cancel = getattr(alarm, "cancel", None)
-            if cancel is not None:
-                cancel()
+            if alarm is not None:
+                alarm.cancel()
     if coll.pending:
         coll.pending.clear()
     for req in sends:

@@ -65,7 +65,7 @@ waiting ranks, and the per-core cache shared by the ranks on a core). Every simu
 has a core of its own, because time-sharing is the host scheduler's doing,
 not the algorithm's: the message schedule, which is what the simulation
 checks, is the same. A few dozen threads are cheap; for 128-1,024 ranks use
-the closed form, which tests/test_costmodel.py checks against this
+the closed form, which tests/model/test_costmodel.py checks against this
 simulation.
 """
 

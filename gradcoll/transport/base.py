@@ -27,6 +27,18 @@ Contract (checked by ``gradcoll.testing.check_transport``):
   left) and never deadlocks when both peers call it at once.
 * ``send`` returns once the buffer may be reused (the bytes may still be in
   flight). Zero-length messages are legal.
+* ``Request.cancel`` withdraws an operation no byte of which has moved yet
+  (True), or reports that it is already done (True) or under way (False).
+  The collectives' error path cancels the receives it no longer needs.
+* ``lenient_tags``: a transport that sets it True guarantees that a receive
+  posted with a tag ``>= LENIENT_TAG`` (:mod:`gradcoll.transport.frame`) that
+  meets a frame with another lenient tag or length consumes that frame whole,
+  fails with ``FrameMismatch`` carrying it, and leaves the link in step. The
+  collectives then run without an agreement round before their data
+  (``gradcoll.algorithms._guard``); transports without it get one.
+* ``blocked_s`` counts the seconds collectives spent waiting on this
+  transport; callers add to it through ``note_wait`` (ProcessGroup.stats()
+  reports it as wait time).
 """
 
 from __future__ import annotations
@@ -89,6 +101,14 @@ class Request(abc.ABC):
     def test(self) -> bool:
         """True once the operation has finished (successfully or not)."""
 
+    def cancel(self) -> bool:
+        """Withdraw the operation if none of its bytes has moved; True if withdrawn or already done.
+
+        A transport that cannot withdraw operations keeps this default: True
+        only once the operation is done.
+        """
+        return self.test()
+
 
 class Transport(abc.ABC):
     """Point-to-point byte transport between ``size`` ranks."""
@@ -97,6 +117,8 @@ class Transport(abc.ABC):
     name: str = "abstract"
     #: Seconds the collectives spent blocked waiting on this transport (``ProcessGroup.stats``).
     blocked_s: float = 0.0
+    #: True when receives with lenient tags survive a mismatch (see the module docstring).
+    lenient_tags: bool = False
 
     def __init__(self, rank: int, size: int, timeout: float = 300.0) -> None:
         if size < 1:
@@ -115,6 +137,10 @@ class Transport(abc.ABC):
 
     def _timeout(self, timeout: float | None) -> float | None:
         return self.timeout if timeout is None else timeout
+
+    def note_wait(self, seconds: float) -> None:
+        """Add ``seconds`` spent blocked on this transport to ``blocked_s``."""
+        self.blocked_s += seconds
 
     def _timeout_error(self, op: str, peer: int, timeout: float | None, nbytes: int | None = None) -> CollectiveTimeout:
         return CollectiveTimeout(

@@ -16,9 +16,9 @@ import sys
 import time
 
 import pytest
-from _mp_helpers import mpi_skip_reason
 
 from tests.faults.conftest import FULL, REPEATS
+from tests.helpers import mpi_skip_reason
 
 pytestmark = [pytest.mark.mpi, pytest.mark.timeout(60 + 40 * REPEATS)]
 SCRIPT = os.path.join(os.path.dirname(os.path.abspath(__file__)), "_mpi_rank.py")

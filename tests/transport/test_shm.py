@@ -1,6 +1,6 @@
 """Shared-memory specifics: segment lifetime and cleanup, ring wrap-around, peer states, processes.
 
-The shared contract is in ``test_transport_conformance.py``. Tests that
+The shared contract is in ``test_conformance.py``. Tests that
 create segments use a private ``shm_dir`` where they look at the directory,
 so they never see (or touch) other jobs' segments.
 """
@@ -14,7 +14,6 @@ import platform
 
 import numpy as np
 import pytest
-from _mp_helpers import spawn_ranks
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
@@ -22,6 +21,7 @@ from gradcoll.errors import BackendUnavailable, CollectiveMismatch, CollectiveTi
 from gradcoll.store import HashStore
 from gradcoll.testing import run_ranks, threaded_group
 from gradcoll.transport import shm
+from tests.helpers import spawn_ranks
 
 
 def _segments(directory: str) -> list[str]:

@@ -1,6 +1,6 @@
 """TCP-specific behaviour: bootstrap and handshake, socket options, raw-byte protocol faults, processes.
 
-The shared contract is in ``test_transport_conformance.py``; here a raw
+The shared contract is in ``test_conformance.py``; here a raw
 socket often plays the peer (``TcpTransport`` over one end of a socketpair),
 so protocol faults are produced byte for byte.
 """
@@ -14,13 +14,13 @@ import time
 
 import numpy as np
 import pytest
-from _mp_helpers import spawn_ranks
 
 from gradcoll.errors import CollectiveMismatch, CollectiveTimeout, TransportBroken, TransportClosed, UsageError
 from gradcoll.store import HashStore
 from gradcoll.testing import run_ranks, threaded_group
 from gradcoll.transport import frame as fr
 from gradcoll.transport import tcp
+from tests.helpers import spawn_ranks
 
 
 @pytest.fixture

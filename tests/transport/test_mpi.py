@@ -1,7 +1,7 @@
 """MPI transport: the optional dependency is reported clearly; MPI-only behaviour runs under mpirun.
 
 The shared conformance checks run under ``mpirun`` from
-``test_transport_conformance.py``; here: the missing-mpi4py message, tag range,
+``test_conformance.py``; here: the missing-mpi4py message, tag range,
 rank/communicator agreement and 64 MiB full-duplex exchange on 2 ranks.
 """
 
@@ -10,10 +10,10 @@ from __future__ import annotations
 import sys
 
 import pytest
-from _mp_helpers import MPI_HINT, mpi_skip_reason, run_mpi
 
 from gradcoll.errors import BackendUnavailable
 from gradcoll.transport import mpi
+from tests.helpers import MPI_HINT, mpi_skip_reason, run_mpi
 
 
 def test_missing_mpi4py_raises_backend_unavailable(monkeypatch) -> None:

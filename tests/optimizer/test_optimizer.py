@@ -716,7 +716,7 @@ def test_synchronous_rounds_from_threads():
 
 
 def test_the_parameter_server_example_converges():
-    script = Path(__file__).resolve().parents[1] / "examples" / "async_parameter_server.py"
+    script = Path(__file__).resolve().parents[2] / "examples" / "async_parameter_server.py"
     run = subprocess.run([sys.executable, str(script)], capture_output=True, text=True, timeout=60)
     assert run.returncode == 0, run.stderr
     assert "steps 400" in run.stdout and "straggler" in run.stdout

@@ -11,10 +11,10 @@ from __future__ import annotations
 import importlib
 
 import pytest
-from _mp_helpers import mpi_skip_reason, run_mpi
 
 from gradcoll import testing
 from gradcoll.transport import shm, tcp
+from tests.helpers import mpi_skip_reason, run_mpi
 
 SHM_OPTIONS = {"ring_bytes": 1 << 16}
 

@@ -14,7 +14,7 @@ from gradcoll.cli.launch import free_port
 
 pytestmark = pytest.mark.timeout(150)
 
-EXAMPLE = Path(__file__).resolve().parents[1] / "examples" / "torch_ddp_replacement.py"
+EXAMPLE = Path(__file__).resolve().parents[2] / "examples" / "torch_ddp_replacement.py"
 
 
 def _skip_reason() -> str | None:

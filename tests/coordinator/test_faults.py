@@ -15,7 +15,6 @@ from typing import Any
 
 import numpy as np
 import pytest
-from test_coordinator_cluster import TIMEOUT, RawWorker, Workers, serve, server_config, worker_config
 
 from gradcoll.coordinator import GradientServer, WorkerClient
 from gradcoll.coordinator.protocol import (
@@ -30,6 +29,7 @@ from gradcoll.coordinator.protocol import (
     encode,
 )
 from gradcoll.errors import CollectiveMismatch, CollectiveTimeout, GroupPoisoned, ProtocolError, TransportBroken, UsageError
+from tests.coordinator.test_cluster import TIMEOUT, RawWorker, Workers, serve, server_config, worker_config
 
 SHUTDOWN = bytes.fromhex("00000001 07")
 

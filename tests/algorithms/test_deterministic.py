@@ -6,7 +6,6 @@ from typing import Any
 
 import numpy as np
 import pytest
-from _mp_helpers import spawn_ranks
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
@@ -15,6 +14,7 @@ from gradcoll.errors import NonFiniteError, UsageError
 from gradcoll.group.process_group import ProcessGroup
 from gradcoll.testing import gather_ranks
 from gradcoll.transport.inproc import create_world
+from tests.helpers import spawn_ranks
 
 
 def run(n: int, fn: Any) -> tuple[list[Any], list[BaseException | None]]:

@@ -162,7 +162,7 @@ def test_usage_errors_before_any_communication() -> None:
 
 
 def test_auto_selection_by_size_and_world() -> None:
-    # Thresholds come from the fitted cost model; tests/test_costmodel.py checks them against costmodel.crossovers.
+    # Thresholds come from the fitted cost model; tests/model/test_costmodel.py checks them against costmodel.crossovers.
     assert select_allreduce(4 << 10, 2) == "recursive_doubling" and select_allreduce(64 << 20, 2) == "ring"
     assert select_allreduce(64, 6) == "star" and select_allreduce(64 << 20, 6) == "ring"
     assert select_allreduce(64 << 10, 8) == "recursive_doubling" and select_allreduce(64, 8) == "star"

@@ -4,7 +4,7 @@
   that bootstrap through a :class:`~gradcoll.store.FileStore`, and returns
   what each rank returned.
 * :func:`run_mpi` launches this file under ``mpirun`` (``python
-  tests/_mp_helpers.py <scenario>``) and returns the completed process;
+  tests/helpers.py <scenario>``) and returns the completed process;
   :func:`mpi_skip_reason` says why MPI tests cannot run here.
 """
 

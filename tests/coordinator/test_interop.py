@@ -14,9 +14,8 @@ import socket
 import struct
 import threading
 
-from test_coordinator_cluster import TIMEOUT, Workers, serve, server_config, worker_config
-
 from gradcoll.coordinator import GradientServer, WorkerClient
+from tests.coordinator.test_cluster import TIMEOUT, Workers, serve, server_config, worker_config
 
 WINDOW_S = 0.3  # several heartbeat intervals: long enough for a stray heartbeat to appear
 

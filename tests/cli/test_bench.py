@@ -17,7 +17,7 @@ from gradcoll.cli.bench import FIELDS, HEADER, _ran, load_rows, parse_size, size
 from gradcoll.group.process_group import ProcessGroup
 from gradcoll.transport.inproc import create_world
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 SIZES = [4096, 8192]
 
 pytestmark = pytest.mark.timeout(120)

@@ -1,6 +1,6 @@
 """The in-process transport: its own guarantees beyond the shared conformance suite.
 
-(``tests/test_transport_conformance.py`` runs ``gradcoll.testing.check_transport``
+(``tests/transport/test_conformance.py`` runs ``gradcoll.testing.check_transport``
 over inproc too; this file covers copy semantics, matching order, cancellation,
 the store-based factory and the weak world registry.)
 """

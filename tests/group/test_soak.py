@@ -15,8 +15,9 @@ import tempfile
 import time
 
 import pytest
-from faults._harness import context, log_fault
-from faults._ranks import SOAK_SIZES, soak_main
+
+from tests.faults._harness import context, log_fault
+from tests.faults._ranks import SOAK_SIZES, soak_main
 
 ITERS = int(os.environ.get("GRADCOLL_SOAK_ITERS", "500"))
 RSS_SLACK = 4 << 20  # allocator noise; a leak of even 1 KiB per call shows at 10,000 calls
