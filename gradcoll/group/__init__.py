@@ -22,10 +22,14 @@ measurements predicts fastest for the message size, the world size and the
 transport ([`gradcoll.algorithms.select_allreduce`][gradcoll.algorithms.select_allreduce]; the thresholds and
 how they are derived are in docs/scaling.md).
 
-This package is the group layer: `ProcessGroup` and `Work`
-(``process_group``), `init_process_group` (``rendezvous``), ``shrink`` and
-buffer conversion (``buffers``). The front ends build on it; it builds on the
-algorithms, the transports, the bootstrap store and `gradcoll.observe`.
+This package is the group layer: `ProcessGroup` (``process_group``), `Work`
+and the in-order executor (``work``), `init_process_group` (``rendezvous``),
+building a group from a store (``connect``), the survivors' agreement of
+``shrink`` and buffer conversion (``buffers``). The front ends build on it;
+it builds on the algorithms, the transports, the bootstrap store and
+`gradcoll.observe`. Inside it the imports point one way:
+``rendezvous -> connect -> shrink, process_group -> work, buffers``; a group
+reaches ``connect`` only through the membership object it is handed.
 """
 
 from .process_group import ProcessGroup, Work

@@ -2,69 +2,22 @@
 
 from __future__ import annotations
 
-import collections
-import threading
 from collections.abc import Callable, Sequence
-from typing import Any
+from typing import Any, Protocol
 
 import numpy as np
 
 from ..algorithms import ALLREDUCE, allgather, barrier, broadcast, reduce_scatter, select_allreduce
 from ..algorithms._common import REDUCE_DTYPES, Workspace, check_op
 from ..algorithms.ring import SEGMENT_BYTES
-from ..errors import CollectiveTimeout, GroupPoisoned, TransportClosed, UsageError
+from ..errors import UsageError
 from ..observe.diagnosis import ControlChannel, Diagnostics
-from ..observe.trace import GroupStats
+from ..observe.trace import GroupStats, Recorder
 from ..transport.base import Transport
 from .buffers import as_buffer, is_device_array
+from .work import Executor, Work
 
-__all__ = ["ProcessGroup", "Work"]
-
-
-class Work:
-    """Handle of one asynchronous collective (``async_op=True``)."""
-
-    def __init__(self, name: str, seq: int) -> None:
-        self.name = name
-        self.seq = seq
-        self._done = threading.Event()
-        self._result: Any = None
-        self._exc: BaseException | None = None
-
-    def _finish(self, result: Any, exc: BaseException | None) -> None:
-        self._result, self._exc = result, exc
-        self._done.set()
-
-    def is_completed(self) -> bool:
-        """True once the collective finished, successfully or not."""
-        return self._done.is_set()
-
-    def wait(self, timeout: float | None = None) -> Any:
-        """Block until done (at most ``timeout`` s); re-raise its error; return its result.
-
-        Running out of ``timeout`` raises CollectiveTimeout but does not cancel
-        the collective, which is bounded by its own timeout.
-        """
-        if not self._done.wait(timeout):
-            raise CollectiveTimeout(
-                f"{self.name} (seq {self.seq}) did not complete within {timeout}s (it is still running)",
-                op=self.name, seq=self.seq,
-            )
-        if self._exc is not None:
-            raise self._exc
-        return self._result
-
-    def result(self, timeout: float | None = None) -> Any:
-        """The collective's result (the caller's buffer), waiting as [`wait`][gradcoll.group.Work.wait] does."""
-        return self.wait(timeout)
-
-    def exception(self) -> BaseException | None:
-        """The error the collective raised, or None (also None while it is still running)."""
-        return self._exc if self._done.is_set() else None
-
-    def __repr__(self) -> str:
-        state = "failed" if self._exc else "done" if self.is_completed() else "pending"
-        return f"<Work {self.name} seq={self.seq} {state}>"
+__all__ = ["ProcessGroup", "Work", "Membership"]
 
 
 def _writable(buf: Any, *, reduce: bool, what: str = "buf") -> tuple[np.ndarray, Callable[[], None]]:
@@ -109,33 +62,34 @@ class ProcessGroup:
     ``trace``: record a Chrome trace from the start and write it at
     [`close`][gradcoll.group.ProcessGroup.close] (each rank to its own file, see [`gradcoll.trace.trace_path`][gradcoll.observe.trace.trace_path]).
     ``stats_window``: how many recent records [`stats`][gradcoll.group.ProcessGroup.stats] keeps. ``control``
-    is the control channel [`init_process_group`][gradcoll.group.rendezvous.init_process_group]
-    sets up (stall reports from peers, [`shrink`][gradcoll.group.ProcessGroup.shrink]).
+    is a control channel (stall reports from peers) the group then owns and closes; ``membership`` is what
+    [`init_process_group`][gradcoll.group.rendezvous.init_process_group] hands a group instead: a control
+    channel it owns, and how the survivors regroup after a failure ([`shrink`][gradcoll.group.ProcessGroup.shrink]).
     """
 
     def __init__(self, transport: Transport, *, timeout: float | None = None,
                  segment_bytes: int = SEGMENT_BYTES, kernel_backend: str | None = None,
                  stall_warning_s: float | None = 10.0, trace: str | None = None, stats_window: int = 1024,
-                 control: ControlChannel | None = None) -> None:
+                 control: ControlChannel | None = None, membership: Membership | None = None) -> None:
         self.transport = transport
         self.kernel_backend = kernel_backend
-        self._pinned: dict[tuple[int, str], tuple[np.ndarray, np.ndarray]] = {}
+        self._pinned: dict[tuple[int, str], tuple[Any, Any]] = {}
         self.rank: int = transport.rank
         """This rank's number in the group, 0 .. size - 1."""
         self.size: int = transport.size
         """The number of ranks in the group (also available as ``world_size``)."""
         self.timeout = transport.timeout if timeout is None else timeout
         self.segment_bytes = segment_bytes
-        self._seq = 0
-        self._lock = threading.Condition()
-        self._queue: collections.deque[tuple[Work, Callable[[], Any]]] = collections.deque()
-        self._busy = False
-        self._worker: threading.Thread | None = None
-        self._closed = False
-        self._poison: tuple[str, int, BaseException] | None = None
         self._ws = Workspace()
-        self._diag = Diagnostics(self, stall_warning_s=stall_warning_s, trace=trace, window=stats_window,
-                                 control=control)
+        if membership is not None:
+            if control is not None:
+                raise UsageError("pass control= or membership= (which brings its control channel), not both")
+            control = membership.control
+        self._membership = membership
+        rec = Recorder(self.rank, self.size, stats_window)
+        self._exec = Executor(transport, rec)
+        self._diag = Diagnostics(self._exec, rec, timeout=self.timeout, stall_warning_s=stall_warning_s, trace=trace,
+                                 control=control, owns_control=membership is None)
 
     # -- state -------------------------------------------------------------
     @property
@@ -146,88 +100,12 @@ class ProcessGroup:
     @property
     def seq(self) -> int:
         """Sequence number the next collective will get."""
-        return self._seq
+        return self._exec.seq
 
     @property
     def poisoned(self) -> bool:
         """True once a collective failed; the group must then be rebuilt."""
-        return self._poison is not None
-
-    def _raise_if_unusable(self) -> None:
-        if self._closed:
-            raise TransportClosed(f"rank {self.rank}: process group is closed", rank=self.rank)
-        if self._poison is not None:
-            name, seq, exc = self._poison
-            raise GroupPoisoned(
-                f"rank {self.rank}: process group is poisoned: {name} (seq {seq}) failed with "
-                f"{type(exc).__name__}: {exc}; build a new group"
-            ) from exc
-
-    # -- execution ---------------------------------------------------------
-    def _submit(self, name: str, job: Callable[[int], Any], async_op: bool, nseq: int = 1, nbytes: int = 0) -> Any:
-        with self._lock:
-            self._raise_if_unusable()
-            seq = self._seq
-            self._seq += nseq
-            inline = not async_op and not self._queue and not self._busy
-            if inline:
-                self._busy = True
-            else:
-                work = Work(name, seq)
-                self._queue.append((work, lambda: self._run(name, seq, job, nbytes)))
-                if self._worker is None:
-                    self._worker = threading.Thread(target=self._serve, name=f"gradcoll-rank{self.rank}", daemon=True)
-                    self._worker.start()
-                self._lock.notify_all()
-        if not inline:
-            return work if async_op else work.wait()
-        try:
-            return self._call(name, seq, job, nbytes)  # usability was checked under the lock above
-        finally:
-            with self._lock:
-                self._busy = False
-                if self._worker is not None:  # the only thread that waits on the lock
-                    self._lock.notify_all()
-
-    def _run(self, name: str, seq: int, job: Callable[[int], Any], nbytes: int) -> Any:
-        with self._lock:
-            self._raise_if_unusable()
-        return self._call(name, seq, job, nbytes)
-
-    def _call(self, name: str, seq: int, job: Callable[[int], Any], nbytes: int = 0) -> Any:
-        rec, ok = self._diag.rec, False
-        rec.begin(name, seq, nbytes, self.transport.blocked_s)
-        try:
-            result = job(seq)
-            ok = True
-            return result
-        except BaseException as exc:
-            with self._lock:
-                if self._poison is None:
-                    self._poison = (name, seq, exc)
-            raise
-        finally:
-            rec.end(self.transport.blocked_s, ok)
-
-    def _serve(self) -> None:
-        while True:
-            with self._lock:
-                while not self._queue and not self._closed:
-                    self._lock.wait()
-                if not self._queue:
-                    return
-                while self._busy:  # an inline call that started before our job was queued
-                    self._lock.wait()
-                work, call = self._queue.popleft()
-                self._busy = True
-            try:
-                work._finish(call(), None)
-            except BaseException as exc:
-                work._finish(None, exc)
-            finally:
-                with self._lock:
-                    self._busy = False
-                    self._lock.notify_all()
+        return self._exec.poison is not None
 
     def _timeout(self, timeout: float | None) -> float:
         return self.timeout if timeout is None else timeout
@@ -268,7 +146,7 @@ class ProcessGroup:
             writeback()
             return buf
 
-        return self._submit(f"{algo} allreduce", job, async_op, nbytes=work.nbytes)
+        return self._exec.submit(f"{algo} allreduce", job, async_op, nbytes=work.nbytes)
 
     def _precise_allreduce(self, buf: Any, op: str, algorithm: str, check_finite: bool, async_op: bool,
                            timeout: float | None, wire: str | None, deterministic: bool) -> Any:
@@ -287,10 +165,10 @@ class ProcessGroup:
         limit = self._timeout(timeout)
         fn: Callable[..., Any] = deterministic_allreduce
         kw: dict[str, Any] = {"segment_bytes": self.segment_bytes} if algo == "ring" else {}
-        nseq, name = 1, f"deterministic {algo} allreduce"
+        name = f"deterministic {algo} allreduce"
         if not deterministic:
             fmt = wire_of(work, wire)
-            fn, nseq, name, kw = wire_allreduce, 1, f"{algo} allreduce ({fmt} wire)", {"wire": fmt}
+            fn, name, kw = wire_allreduce, f"{algo} allreduce ({fmt} wire)", {"wire": fmt}
 
         def job(seq: int) -> Any:
             fn(self.transport, work, algorithm=algo, op=op, check_finite=check_finite, seq=seq, timeout=limit,
@@ -298,41 +176,42 @@ class ProcessGroup:
             writeback()
             return buf
 
-        return self._submit(name, job, async_op, nseq=nseq, nbytes=work.nbytes)
+        return self._exec.submit(name, job, async_op, nbytes=work.nbytes)
 
     def _device_allreduce(self, buf: Any, op: str, check_finite: bool, async_op: bool, timeout: float | None) -> Any:
-        """Allreduce of a device array: stage to pinned host memory, allgather, reduce on the device."""
-        from numba import cuda
-
-        from ..kernels import mean_reduce
+        """Allreduce of a device array ([`gradcoll.algorithms.device`][gradcoll.algorithms.device]) through pinned staging."""
+        from ..algorithms.device import DEVICE_DTYPES, device_allreduce
 
         dev = as_buffer(buf, what="buf").array
         check_op(op)
         dtype = np.dtype(dev.dtype)
-        if dtype not in REDUCE_DTYPES or dtype == np.float16:
+        if dtype not in DEVICE_DTYPES:
             raise UsageError(f"device buffers must be float32 or float64, got {dtype}")
         flat = dev.reshape(dev.size)
-        key = (dev.size, dtype.str)
-        staged = self._pinned.get(key)
-        if staged is None:  # reused across calls: pinned allocations are expensive
-            staged = (cuda.pinned_array(dev.size, dtype), cuda.pinned_array((self.size, dev.size), dtype))
-            self._pinned[key] = staged
-        local, rows = staged
+        local, rows = self._staging(dev.size, dtype)
         limit = self._timeout(timeout)
 
         def job(seq: int) -> Any:
-            flat.copy_to_host(local)
-            allgather(self.transport, local, rows, seq=seq, timeout=limit)
-            if op in ("mean", "sum"):
-                mean_reduce(cuda.to_device(rows), out=flat, op=op, check_finite=check_finite)
-            else:
-                red = np.maximum.reduce(rows) if op == "max" else np.minimum.reduce(rows)
-                if check_finite and not np.isfinite(rows).all():
-                    mean_reduce(rows, op="sum")  # raises NonFiniteError naming the rank (row)
-                flat.copy_to_device(red)
+            device_allreduce(self.transport, flat, local, rows, op=op, check_finite=check_finite, seq=seq,
+                             timeout=limit)
             return buf
 
-        return self._submit("device allreduce", job, async_op, nbytes=int(dev.nbytes))
+        return self._exec.submit("device allreduce", job, async_op, nbytes=int(dev.nbytes))
+
+    def _staging(self, count: int, dtype: np.dtype) -> tuple[Any, Any]:
+        """Pinned host buffers for a device allreduce of ``count`` elements, kept per size and dtype.
+
+        Pinned allocations are expensive, so each shape is allocated once and
+        reused; calls of one group run one at a time, so one pair is enough.
+        """
+        key = (count, dtype.str)
+        staged = self._pinned.get(key)
+        if staged is None:
+            from numba import cuda
+
+            staged = (cuda.pinned_array(count, dtype), cuda.pinned_array((self.size, count), dtype))
+            self._pinned[key] = staged
+        return staged
 
     def allreduce_many(self, arrays: Sequence[np.ndarray], op: str = "mean", algorithm: str = "auto",
                        check_finite: bool = True, async_op: bool = False, timeout: float | None = None) -> Any:
@@ -363,7 +242,7 @@ class ProcessGroup:
                     a[...] = fused[lo:hi].reshape(a.shape)
             return arrays
 
-        return self._submit("allreduce_many", job, async_op, nseq=max(1, len(plans)),
+        return self._exec.submit("allreduce_many", job, async_op, nseq=max(1, len(plans)),
                             nbytes=sum(a.nbytes for a in arrays))
 
     def broadcast(self, buf: np.ndarray, root: int = 0, async_op: bool = False,
@@ -379,7 +258,7 @@ class ProcessGroup:
             writeback()
             return buf
 
-        return self._submit("broadcast", job, async_op, nbytes=work.nbytes)
+        return self._exec.submit("broadcast", job, async_op, nbytes=work.nbytes)
 
     def allgather(self, buf: np.ndarray, out: np.ndarray | None = None, async_op: bool = False,
                   timeout: float | None = None) -> Any:
@@ -400,7 +279,7 @@ class ProcessGroup:
             writeback()
             return out
 
-        return self._submit("allgather", job, async_op, nbytes=src.nbytes)
+        return self._exec.submit("allgather", job, async_op, nbytes=src.nbytes)
 
     def reduce_scatter(self, buf: np.ndarray, op: str = "mean", check_finite: bool = True,
                        async_op: bool = False, timeout: float | None = None) -> Any:
@@ -419,12 +298,12 @@ class ProcessGroup:
             return reduce_scatter(self.transport, buf, op=op, check_finite=check_finite, seq=seq, timeout=limit,
                                   segment_bytes=self.segment_bytes, workspace=self._ws, backend=self.kernel_backend)
 
-        return self._submit("reduce_scatter", job, async_op, nbytes=buf.nbytes)
+        return self._exec.submit("reduce_scatter", job, async_op, nbytes=buf.nbytes)
 
     def barrier(self, async_op: bool = False, timeout: float | None = None) -> Any:
         """Block until every rank has reached the barrier."""
         limit = self._timeout(timeout)
-        return self._submit("barrier", lambda seq: barrier(self.transport, seq=seq, timeout=limit), async_op)
+        return self._exec.submit("barrier", lambda seq: barrier(self.transport, seq=seq, timeout=limit), async_op)
 
     def _pick(self, algorithm: str, nbytes: int) -> str:
         if algorithm == "auto":
@@ -454,28 +333,21 @@ class ProcessGroup:
         Raises ShrinkFailed when no agreement is reached within ``timeout``
         (default the group's) or this rank was left out. See [`gradcoll.shrink`][gradcoll.group.shrink].
         """
-        from .shrink import shrink
-
-        return shrink(self, timeout)  # type: ignore[no-any-return]
+        if self._membership is None:
+            raise UsageError(f"rank {self.rank}: shrink() needs the control channel of a group built by "
+                             "init_process_group (this one was built directly on a transport)")
+        return self._membership.shrink(self, self._timeout(timeout))
 
     # -- lifetime ----------------------------------------------------------
     def close(self) -> None:
         """Fail queued work, close the transport (peers see TransportClosed), stop the worker. Idempotent."""
-        with self._lock:
-            if self._closed:
-                return
-            self._closed = True
-            pending = list(self._queue)
-            self._queue.clear()
-            self._lock.notify_all()
-        for work, _ in pending:
-            work._finish(None, TransportClosed(
-                f"rank {self.rank}: process group closed before {work.name} (seq {work.seq}) ran", rank=self.rank))
+        if not self._exec.close():
+            return
         self.transport.close()
         self._diag.close()
-        worker = self._worker
-        if worker is not None and worker is not threading.current_thread():
-            worker.join(timeout=5.0)
+        if self._membership is not None:
+            self._membership.close()
+        self._exec.join()
 
     def __enter__(self) -> "ProcessGroup":
         return self
@@ -484,5 +356,20 @@ class ProcessGroup:
         self.close()
 
     def __repr__(self) -> str:
-        state = " closed" if self._closed else " poisoned" if self._poison else ""
-        return f"<ProcessGroup rank={self.rank} size={self.size} {self.transport.name} seq={self._seq}{state}>"
+        state = " closed" if self._exec.closed else " poisoned" if self._exec.poison else ""
+        return f"<ProcessGroup rank={self.rank} size={self.size} {self.transport.name} seq={self.seq}{state}>"
+
+
+class Membership(Protocol):
+    """What [`init_process_group`][gradcoll.group.rendezvous.init_process_group] hands a group besides its transport:
+    the control channel, and how the survivors of a failure regroup (``gradcoll.group.connect`` builds it)."""
+
+    @property
+    def control(self) -> ControlChannel | None:
+        """The group's control channel (None once ``shrink`` has taken it)."""
+
+    def shrink(self, group: ProcessGroup, timeout: float) -> ProcessGroup:
+        """Close ``group``, agree with the survivors on the members left, return their new group."""
+
+    def close(self) -> None:
+        """Close the control channel (if ``shrink`` has not taken it). Idempotent."""

@@ -22,19 +22,18 @@ arguments override the environment for every init method.
 
 from __future__ import annotations
 
-import importlib
 import logging
 import os
-import re
 import time
 from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
 from urllib.parse import urlsplit
 
-from ..errors import BackendUnavailable, CollectiveTimeout, ProtocolError, UsageError, seconds
+from ..errors import CollectiveTimeout, ProtocolError, UsageError, seconds
 from ..store import FileStore, PrefixStore, Store, TCPStore
 from ..transport.base import Deadline
+from .connect import connect, load_backend
 from .process_group import ProcessGroup
 
 __all__ = ["init_process_group", "parse_init_method", "env_rank_size", "InitMethod", "DEFAULT_PORT",
@@ -109,21 +108,6 @@ def _check_port(port: int, what: str) -> int:
     return port
 
 
-def _load_backend(backend: str) -> Any:
-    if not isinstance(backend, str) or not re.fullmatch(r"[a-z][a-z0-9_]*", backend):
-        raise UsageError(f"backend must be a transport name such as 'tcp', 'shm', 'mpi', 'inproc'; got {backend!r}")
-    name = f"gradcoll.transport.{backend}"
-    try:
-        module = importlib.import_module(name)
-    except ModuleNotFoundError as exc:
-        if exc.name == name:
-            raise BackendUnavailable(f"transport backend {backend!r} is not available: no module {name}") from exc
-        raise BackendUnavailable(f"transport backend {backend!r} needs {exc.name!r}, which is not installed") from exc
-    if not callable(getattr(module, "create", None)):
-        raise BackendUnavailable(f"{name} has no create(store, rank, size, ...) factory")
-    return module
-
-
 def _default_kernels() -> str | None:
     """'cython' when the compiled extension loads here, else None (automatic choice)."""
     from ..kernels import available_backends
@@ -180,7 +164,7 @@ def init_process_group(
         backend = os.environ.get("GRADCOLL_BACKEND") or "tcp"
     rank, world_size, source = _rank_and_size(rank, world_size)
     boot = _startup_timeout(startup_timeout, timeout)
-    _load_backend(backend)
+    load_backend(backend)
     if kernel_backend is None:
         kernel_backend = _default_kernels()
     owned = store is None
@@ -192,9 +176,9 @@ def init_process_group(
         generation = base.add(f"calls/{rank}", 1)
         ns = PrefixStore(f"gradcoll/{generation}", store)
         join(ns, rank, world_size, source, boot)
-        return _connect(ns, backend, rank, world_size, timeout=boot, group_timeout=timeout,
-                        kernel_backend=kernel_backend, transport_options=transport_options,
-                        group_options={"stall_warning_s": stall_warning_s, "trace": trace})
+        return connect(ns, backend, rank, world_size, timeout=boot, group_timeout=timeout,
+                       kernel_backend=kernel_backend, transport_options=transport_options,
+                       group_options={"stall_warning_s": stall_warning_s, "trace": trace})
     finally:
         if owned:
             store.close()  # the TCPStore master lingers until the other ranks have disconnected
@@ -343,34 +327,3 @@ def _ranks(rs: list[int]) -> str:
         else:
             out.append(str(r))
     return ", ".join(out)
-
-
-def _connect(ns: Store, backend: str, rank: int, size: int, *, timeout: float, group_timeout: float,
-             kernel_backend: str | None, transport_options: dict[str, Any], group_options: dict[str, Any],
-             control_host: str | None = None, generation: int = 0) -> ProcessGroup:
-    """Connect the transport and the control channel through ``ns`` and return the group (init and shrink)."""
-    from ..observe.diagnosis import open_control
-
-    module = _load_backend(backend)
-    transport = module.create(ns, rank, size, timeout=timeout, **transport_options)
-    transport.timeout = group_timeout  # startup is bounded by ``timeout``; collectives by the group's
-    try:
-        host = control_host or str(transport_options.get("host") or "127.0.0.1")
-        control = open_control(ns, rank, size, timeout=timeout, host=host, backend=backend,
-                               options=transport_options, generation=generation)
-        try:
-            _meet(ns, rank, size, timeout)
-        except BaseException:
-            control.close()
-            raise
-    except BaseException:
-        transport.close()
-        raise
-    return ProcessGroup(transport, timeout=group_timeout, kernel_backend=kernel_backend, control=control,
-                        **group_options)
-
-
-def _meet(store: Store, rank: int, size: int, timeout: float) -> None:
-    """Wait until every rank has its transport (the store is not needed after this)."""
-    store.set(f"ready/{rank}", b"1")
-    store.wait([f"ready/{r}" for r in range(size)], timeout)

@@ -23,13 +23,18 @@ at bootstrap; the bootstrap store is gone by now):
    control channel, and return a new [`ProcessGroup`][gradcoll.group.ProcessGroup]
    with the old group's settings and sequence numbers from 0.
 
+This module is the agreement ([`agree`][gradcoll.group.shrink.agree], over a
+control channel only); the group's membership (`gradcoll.group.connect`,
+handed to every group `init_process_group` builds) closes the old group
+around it and connects the new one.
+
 Limits: backends ``tcp``, ``shm`` and ``inproc`` (not ``mpi``); every
 survivor must call ``shrink()`` within ``timeout``; the new store listens on
 the control host (the tcp ``host`` option, default 127.0.0.1), so ranks on
 several hosts must pass a reachable ``host``; a failure *during* shrink
 (of the leader, say) makes it raise ShrinkFailed or CollectiveTimeout on the
-others, and they may call ``shrink()`` again on the old group only if they
-have not yet built a new one. State in the caller's buffers (a half-reduced
+others, whose old group is closed by then (shrinking it again raises
+UsageError). State in the caller's buffers (a half-reduced
 gradient) is the caller's to redo: the step that failed is repeated on the
 new group.
 """
@@ -37,55 +42,54 @@ new group.
 from __future__ import annotations
 
 import time
-from typing import Any
+from typing import TYPE_CHECKING
 
 from ..errors import ShrinkFailed, UsageError
-from ..observe.diagnosis import DECIDE, JOIN, PING, SHRINKING, ControlChannel
-from ..store import HashStore, PrefixStore, Store, TCPStore
+from ..observe.diagnosis import DECIDE, JOIN, PING, ControlChannel
+from ..store import HashStore, Store, TCPStore
 
-__all__ = ["shrink"]
+if TYPE_CHECKING:
+    from .process_group import ProcessGroup
+
+__all__ = ["shrink", "agree", "check_shrinkable", "BACKENDS"]
+
+#: The transport backends a group can shrink over (an MPI world is fixed by its launcher).
+BACKENDS = ("tcp", "shm", "inproc")
 
 _RESEND_S = 0.1
 _LEADER_GRACE_S = 2.0
 
 
-def shrink(group: Any, timeout: float | None = None) -> Any:
-    """Agree with the other survivors on the members left and return their new ProcessGroup (see module doc)."""
-    limit = group.timeout if timeout is None else timeout
-    diag = group._diag
-    if diag.control is None:
-        raise UsageError(f"rank {group.rank}: shrink() needs the control channel of a group built by "
-                         "init_process_group (this one was built directly on a transport)")
-    if diag.control.backend not in ("tcp", "shm", "inproc"):
-        raise UsageError(f"rank {group.rank}: shrink() supports the tcp, shm and inproc backends, "
-                         f"not {diag.control.backend!r}")
-    seq = group.seq
-    ctl = diag.detach_control()
-    assert ctl is not None
-    ctl.state_fn = lambda: (SHRINKING, seq, "shrink", 0, 0.0)
-    group.close()  # peers still waiting on this rank fail now instead of at their timeout
-    store: Store | None = None
-    try:
-        leader, members, host, port, store = _agree(ctl, limit)
-        if ctl.rank not in members:
-            raise ShrinkFailed(f"rank {ctl.rank}: left out of the shrunk group by leader rank {leader} "
-                               f"(members {members}); it joined too late")
-        if store is None:
-            store = HashStore(limit) if len(members) == 1 else TCPStore(host, port, timeout=limit)
-        from .rendezvous import _connect
+def shrink(group: ProcessGroup, timeout: float | None = None) -> ProcessGroup:
+    """Agree with the other survivors on the members left and return their new ProcessGroup (see module doc).
 
-        gen = ctl.generation + 1
-        return _connect(
-            PrefixStore(f"gradcoll/shrink{gen}", store), ctl.backend, members.index(ctl.rank),
-            len(members), timeout=limit, group_timeout=group.timeout, kernel_backend=group.kernel_backend,
-            transport_options=ctl.options, control_host=ctl.host, generation=gen,
-            group_options={"segment_bytes": group.segment_bytes, "stall_warning_s": diag.stall_s,
-                           "stats_window": diag.rec._recent.maxlen},
-        )
-    finally:
-        if store is not None:
-            store.close()
-        ctl.close()
+    The same as [`group.shrink(timeout)`][gradcoll.group.ProcessGroup.shrink].
+    """
+    return group.shrink(timeout)
+
+
+def check_shrinkable(ctl: ControlChannel) -> None:
+    """Raise UsageError, before anything is closed, when the group's backend cannot be shrunk."""
+    if ctl.backend not in BACKENDS:
+        raise UsageError(f"rank {ctl.rank}: shrink() supports the {', '.join(BACKENDS[:-1])} and {BACKENDS[-1]} "
+                         f"backends, not {ctl.backend!r}")
+
+
+def agree(ctl: ControlChannel, limit: float) -> tuple[int, int, Store]:
+    """Join and decide over ``ctl``: this rank's number in the new group, its size, and the store to connect it by.
+
+    The caller closes the store (the leader hosts it: it waits for the
+    others to disconnect). Raises ShrinkFailed when this rank was left out
+    or no decision came within ``limit`` seconds (and a grace period for
+    the leader to send it).
+    """
+    leader, members, host, port, store = _agree(ctl, limit)
+    if ctl.rank not in members:
+        raise ShrinkFailed(f"rank {ctl.rank}: left out of the shrunk group by leader rank {leader} "
+                           f"(members {members}); it joined too late")
+    if store is None:
+        store = HashStore(limit) if len(members) == 1 else TCPStore(host, port, timeout=limit)
+    return members.index(ctl.rank), len(members), store
 
 
 def _agree(ctl: ControlChannel, limit: float) -> tuple[int, list[int], str, int, Store | None]:

@@ -38,13 +38,13 @@ import threading
 import time
 import weakref
 from collections.abc import Callable
-from typing import Any
+from typing import Any, Protocol
 
 from ..store import Store
 from .trace import Recorder
 
 __all__ = [
-    "ControlChannel", "Diagnostics", "Monitor", "open_control", "IDLE", "RUNNING", "POISONED", "SHRINKING", "CLOSED",
+    "ControlChannel", "Diagnostics", "Monitor", "Watched", "open_control", "IDLE", "RUNNING", "POISONED", "SHRINKING", "CLOSED",
 ]
 
 log = logging.getLogger("gradcoll")
@@ -185,12 +185,21 @@ def open_control(store: Store, rank: int, size: int, *, timeout: float, host: st
                           generation=generation)
 
 
+class Watched(Protocol):
+    """What the monitor reads of the group it watches: the next seq, closed, and the failure that poisoned it."""
+
+    seq: int
+    closed: bool
+    poison: tuple[str, int, BaseException] | None
+
+
 class Monitor:
     """The group's monitor thread: serves the control channel and warns about stalled collectives."""
 
-    def __init__(self, group: Any, rec: Recorder, control: ControlChannel | None, stall_s: float | None) -> None:
+    def __init__(self, group: Watched, rec: Recorder, control: ControlChannel | None, stall_s: float | None,
+                 timeout: float) -> None:
         self._group = weakref.ref(group)  # the thread must not keep an abandoned group alive
-        self.rank, self.size, self.timeout = group.rank, group.size, group.timeout
+        self.rank, self.size, self.timeout = rec.rank, rec.size, timeout
         self.rec, self.control, self.stall_s = rec, control, stall_s
         self._stop = threading.Event()
         self._warned: Any = None
@@ -204,10 +213,10 @@ class Monitor:
         """This rank's status, as the control channel reports it."""
         g = self._group()
         now = time.perf_counter()
-        if g is None or g._closed:
+        if g is None or g.closed:
             return (CLOSED, -1, "", 0, 0.0)
-        if g._poison is not None:
-            name, seq, _ = g._poison
+        if g.poison is not None:
+            name, seq, _ = g.poison
             return (POISONED, seq, name, 0, 0.0)
         cur = self.rec.current
         if cur is not None:
@@ -294,28 +303,27 @@ class Monitor:
 
 
 class Diagnostics:
-    """What a ProcessGroup keeps for ``stats()``, traces, stall warnings and ``shrink()``."""
+    """What a ProcessGroup keeps for ``stats()``, traces and stall warnings, around the records ``rec``.
 
-    def __init__(self, group: Any, *, stall_warning_s: float | None, trace: str | None, window: int,
-                 control: ControlChannel | None) -> None:
-        self.rec = Recorder(group.rank, group.size, window)
-        self.stall_s, self.trace, self.control = stall_warning_s, trace, control
+    ``control`` is closed with the group unless ``owns_control`` is False
+    (the group's membership owns it: ``shrink()`` goes on using it after the
+    group is closed).
+    """
+
+    def __init__(self, group: Watched, rec: Recorder, *, timeout: float, stall_warning_s: float | None,
+                 trace: str | None, control: ControlChannel | None, owns_control: bool = True) -> None:
+        self.rec = rec
+        self.stall_s, self.trace, self.control, self._owns_control = stall_warning_s, trace, control, owns_control
         if trace is not None:
             self.rec.start_trace()
-        self.monitor = Monitor(group, self.rec, control, stall_warning_s) if stall_warning_s or control else None
-
-    def detach_control(self) -> ControlChannel | None:
-        """Stop the monitor and hand over the control channel (for shrink); the group no longer owns it."""
-        if self.monitor is not None:
-            self.monitor.stop()
-        ctl, self.control = self.control, None
-        return ctl
+        self.monitor = (Monitor(group, rec, control, stall_warning_s, timeout) if stall_warning_s or control
+                        else None)
 
     def close(self) -> None:
-        """Stop the monitor, write the trace given at construction, close the control channel."""
+        """Stop the monitor, write the trace given at construction, close the control channel if it owns it."""
         if self.monitor is not None:
             self.monitor.stop()
         if self.trace is not None and self.rec.tracing:
             self.rec.stop_trace(self.trace)
-        if self.control is not None:
+        if self.control is not None and self._owns_control:
             self.control.close()
