@@ -9,8 +9,7 @@ from types import ModuleType
 
 
 def _commands() -> dict[str, ModuleType]:
-    from ..observe import stragglers
-    from . import bench, demo, launch
+    from . import bench, demo, launch, stragglers
 
     return {"launch": launch, "bench": bench, "demo": demo, "stragglers": stragglers}
 

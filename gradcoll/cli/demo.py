@@ -109,9 +109,8 @@ def train_single(steps: int, lr: float, global_batch: int, x: np.ndarray, y: np.
 
 def worker_main(argv: Sequence[str] | None = None) -> int:
     """One rank of the demo (run by the launcher)."""
-    import gradcoll
-
     from ..algorithms import select_allreduce
+    from ..group import init_process_group
 
     ap = argparse.ArgumentParser()
     ap.add_argument("--steps", type=int, default=300)
@@ -120,7 +119,7 @@ def worker_main(argv: Sequence[str] | None = None) -> int:
     ap.add_argument("--samples", type=int, default=16384)
     a = ap.parse_args(argv)
 
-    group = gradcoll.init_process_group(os.environ.get("GRADCOLL_BACKEND", "tcp"), "env://", timeout=60.0)
+    group = init_process_group(os.environ.get("GRADCOLL_BACKEND", "tcp"), "env://", timeout=60.0)
     rank, world = group.rank, group.size
     if a.global_batch % world:
         raise SystemExit(f"--global-batch {a.global_batch} must be divisible by the world size {world}")

@@ -8,19 +8,17 @@ collective the rank that arrived last held up every other: each other rank
 ``r`` waited ``arrival(last) - arrival(r)`` for it. [`rank_stragglers`][gradcoll.observe.stragglers.rank_stragglers]
 charges that whole wait to the last arriver and ranks the ranks by it.
 Arrival times are wall-clock, so ranks on different hosts compare only as
-well as their clocks agree.
+well as their clocks agree. The ``gradcoll stragglers`` command
+(`gradcoll.cli.stragglers`) prints this table from trace files.
 """
 
 from __future__ import annotations
 
-import argparse
 from collections.abc import Iterable
 from dataclasses import dataclass
 from typing import Any
 
-from .trace import load_events
-
-__all__ = ["Straggler", "rank_stragglers", "build_parser", "run_from_args"]
+__all__ = ["Straggler", "rank_stragglers"]
 
 
 @dataclass(frozen=True)
@@ -63,35 +61,3 @@ def rank_stragglers(events: Iterable[dict[str, Any]]) -> tuple[list[Straggler], 
     summary = {"collectives": float(len(skews)), "mean_skew_s": sum(skews) / len(skews) / 1e6 if skews else 0.0,
                "max_skew_s": max(skews) / 1e6 if skews else 0.0}
     return rows, summary
-
-
-def build_parser(sub: Any) -> argparse.ArgumentParser:
-    """Add the ``stragglers`` subcommand to ``sub`` (an argparse subparsers object)."""
-    from ..cli._args import existing_file, non_negative_int, subcommand, writable_path
-
-    p = subcommand(sub, "stragglers", "name the ranks whose late arrival made the others wait (from traces)",
-                   "Read Chrome traces written by ProcessGroup(trace=...) or stop_trace() (per-rank files or one "
-                   "merged file) and print the ranks whose late arrival made the others wait most.")
-    p.add_argument("traces", nargs="+", type=existing_file, metavar="TRACE.json", help="trace files (one per rank, or merged)")
-    p.add_argument("--top", type=non_negative_int, default=0, metavar="N", help="print only the first N ranks (default: 0, all)")
-    p.add_argument("--merge", metavar="OUT.json", type=writable_path, help="also write the traces merged into one file (default: none)")
-    return p
-
-
-def run_from_args(a: argparse.Namespace) -> int:
-    """Run ``gradcoll stragglers``; 0 on success, 1 when no collective appears on two ranks."""
-    if a.merge:
-        from .trace import merge
-
-        merge(a.traces, a.merge)
-    rows, summary = rank_stragglers(load_events(a.traces))
-    if not summary["collectives"]:
-        print("no collective appears in the traces of two or more ranks")
-        return 1
-    print(f"{int(summary['collectives'])} collectives matched across ranks; arrival skew mean "
-          f"{summary['mean_skew_s'] * 1e3:.3f} ms, max {summary['max_skew_s'] * 1e3:.3f} ms")
-    print(f"{'rank':>4}  {'last':>11}  {'made others wait':>16}  {'mean lateness':>13}  {'own wait':>10}")
-    for s in rows[: a.top or None]:
-        print(f"{s.rank:>4}  {f'{s.last}/{s.collectives}':>11}  {s.caused_wait_s * 1e3:>13.3f} ms  "
-              f"{s.mean_lateness_s * 1e3:>10.3f} ms  {s.own_wait_s * 1e3:>7.3f} ms")
-    return 0
