@@ -23,7 +23,6 @@ one fusion copy that DDP makes too.
 
 from __future__ import annotations
 
-from collections.abc import Iterable
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -212,7 +211,3 @@ class GradientSynchronizer:
     def __exit__(self, *exc: object) -> None:
         self.remove()
 
-
-def parameters_of(model: torch.nn.Module) -> Iterable[torch.nn.Parameter]:
-    """Trainable parameters in registration order (what the buckets cover)."""
-    return (p for p in model.parameters() if p.requires_grad)
