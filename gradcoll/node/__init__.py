@@ -25,7 +25,7 @@ from .control import NodeControl, NodeStopHandle
 from .errors import RemoteStageError, StageRefused
 from .fixed_function import FixedFunction, FixedFunctionDevice, LoopbackFixedFunction
 from .ops import OPS
-from .reduce import mean_reduce
+from .reduce import group_mean, mean_reduce
 from .serve import NodeReport, drive_pipeline, serve_fixed_function_n, serve_worker, serve_worker_n, ship_stage
 from .stage import OpSpec, Stage, StageSpec, compile_stage
 from .trainer import TrainMetrics, TrainReport, coordinate_trainer, run_trainer, serve_trainer, serve_trainer_here, ship_train_spec, train_local
@@ -45,7 +45,8 @@ __all__ = [
     "FixedFunction", "FixedFunctionDevice", "LoopbackFixedFunction", "serve_fixed_function_n",
     # training
     "TrainSpec", "DataSpec", "TrainMetrics", "TrainReport", "serve_trainer", "serve_trainer_here",
-    "run_trainer", "ship_train_spec", "coordinate_trainer", "train_local", "mean_reduce",
+    "run_trainer", "ship_train_spec", "coordinate_trainer", "train_local", "group_mean",
+    "mean_reduce",  # the old name of group_mean
     # errors
     "StageRefused", "RemoteStageError",
 ]

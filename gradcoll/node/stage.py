@@ -30,7 +30,7 @@ from .ops import OPS, OpDef
 from .weights import Resolver, weight_cache
 
 __all__ = ["OpSpec", "StageSpec", "Stage", "BoundOp", "compile_stage", "bind", "forward", "backward", "check_dtype",
-           "parse_ops"]
+           "parse_ops", "float64_accumulate_of"]
 
 _DTYPES = ("float16", "float32", "float64")
 
@@ -53,6 +53,25 @@ def check_dtype(dtype: Any) -> str:
     if name is None or name not in _DTYPES:
         raise UsageError(f"dtype must be one of {', '.join(_DTYPES)}, got {dtype!r}")
     return name
+
+
+def float64_accumulate_of(float64_accumulate: Any, deterministic: Any = None) -> bool:
+    """The ``float64_accumulate`` flag, given under that name or its old one, ``deterministic`` (None: not given).
+
+    The old name said more than the flag does: it widens the sum to float64
+    and rounds once, which makes a float32 result independent of the order
+    the ranks are added in, not bitwise equal to the group's
+    ``allreduce(deterministic=True)``. Both names given must agree.
+    """
+    if not isinstance(float64_accumulate, bool):
+        raise UsageError(f"float64_accumulate must be true or false, got {float64_accumulate!r}")
+    if deterministic is None:
+        return float64_accumulate
+    if not isinstance(deterministic, bool):
+        raise UsageError(f"deterministic must be true or false, got {deterministic!r}")
+    if float64_accumulate and not deterministic:
+        raise UsageError("float64_accumulate=True and deterministic=False disagree (deterministic is its old name)")
+    return deterministic
 
 
 @dataclass(frozen=True)

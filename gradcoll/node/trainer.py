@@ -8,7 +8,7 @@ steps and the collectives would not line up). Then each step:
 
 1. forward and backward over this rank's next batch, gradients *summed*
    over its lanes (rows);
-2. ``buf = [flat gradients..., lanes]`` goes through ``mean_reduce``;
+2. ``buf = [flat gradients..., lanes]`` goes through ``group_mean``;
    both parts become means over ranks, so ``buf[:-1] / buf[-1]`` is the
    gradient averaged over every lane of the step, even when batches differ
    in length;
@@ -32,7 +32,7 @@ from ..group.process_group import ProcessGroup
 from . import wire
 from .caps import NodeCaps, collect_caps, platform_tag, send_caps
 from .errors import StageRefused
-from .reduce import mean_reduce
+from .reduce import group_mean
 from .stage import BoundOp, backward, bind, forward
 from .trainspec import TrainSpec
 from .weights import Resolver, WeightCache, weight_cache
@@ -210,7 +210,7 @@ def run_trainer(group: ProcessGroup, spec: TrainSpec, resolve: Resolver | None =
         raise exc from cause
     assert model is not None and shard is not None
     metrics = _train(group.rank, spec, model, [shard],
-                     lambda bufs: mean_reduce(group, bufs[0], deterministic=spec.deterministic), log)
+                     lambda bufs: group_mean(group, bufs[0], float64_accumulate=spec.float64_accumulate), log)
     return TrainReport(group.rank, caps.platform, metrics, {k: v.copy() for k, v in model.params.items()})
 
 
@@ -264,7 +264,7 @@ def train_local(specs: TrainSpec | Sequence[TrainSpec], resolve: Resolver | None
     shards = [_Shard(s, cache) for s in specs]
     if len({(s.data.shard_len, s.batch, len(s.lr)) for s in specs}) > 1:
         raise StageRefused("train shards are not uniform: shard_len, batch and epochs must match")
-    acc = np.float64 if specs[0].deterministic else specs[0].dtype
+    acc = np.float64 if specs[0].float64_accumulate else specs[0].dtype
 
     def reduce(bufs: list[np.ndarray]) -> np.ndarray:
         # The single-process reference stays independent of gradcoll's kernels on purpose:

@@ -8,7 +8,7 @@ For example:
      "data": {"x": "file:///job/x.npy", "y": "file:///job/y.npy", "shard_start": 0, "shard_len": 64,
               "pushed": null},
      "loss": "mse", "momentum": 0.9, "lr": [0.1, 0.1, 0.05], "batch": 16,
-     "dtype": "float32", "deterministic": false}
+     "dtype": "float32", "float64_accumulate": false}
 
 The ops come from the same registry as a stage's, but name parameters
 (``params`` maps each name to the URI of its initial value) instead of
@@ -19,7 +19,9 @@ shorter. ``pushed`` optionally carries this rank's shard inline
 (``{"x": [[...], ...], "y": [...]}``, exactly ``shard_len`` rows) for a node
 with no file access. ``loss`` is ``mse`` (mean over output features of the
 squared error) or ``cross_entropy`` (``y`` holds class indices; the model
-outputs logits).
+outputs logits). ``float64_accumulate`` sums the gradients across ranks in
+float64 and rounds once (see `gradcoll.node.reduce`); its old name,
+``deterministic``, is still read.
 """
 
 from __future__ import annotations
@@ -33,7 +35,7 @@ import numpy as np
 
 from ..errors import UsageError
 from .ops import OPS
-from .stage import OpSpec, check_dtype, is_finite_number, parse_ops
+from .stage import OpSpec, check_dtype, float64_accumulate_of, is_finite_number, parse_ops
 
 __all__ = ["DataSpec", "TrainSpec", "LOSSES"]
 
@@ -112,9 +114,13 @@ def _pairs(params: Any) -> tuple[tuple[str, str], ...]:
     return tuple(tuple(p) if isinstance(p, (list, tuple)) else (p,) for p in params)
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, init=False)
 class TrainSpec:
-    """One rank's training job (see the module doc for the JSON form)."""
+    """One rank's training job (see the module doc for the JSON form).
+
+    ``deterministic=`` is accepted as the old name of ``float64_accumulate=``
+    (and ``spec.deterministic`` reads it).
+    """
 
     ops: Sequence[OpSpec]  # stored as a tuple, like params and lr
     params: Sequence[tuple[str, str]]  # (name, uri) pairs; a {name: uri} mapping is accepted too
@@ -124,7 +130,21 @@ class TrainSpec:
     batch: int = 1
     loss: str = "mse"
     dtype: str = "float32"
-    deterministic: bool = False
+    float64_accumulate: bool = False
+
+    def __init__(self, ops: Sequence[OpSpec], params: Sequence[tuple[str, str]], data: DataSpec, lr: Sequence[float],
+                 momentum: float = 0.0, batch: int = 1, loss: str = "mse", dtype: str = "float32",
+                 float64_accumulate: bool = False, *, deterministic: bool | None = None) -> None:
+        for name, value in (("ops", ops), ("params", params), ("data", data), ("lr", lr), ("momentum", momentum),
+                            ("batch", batch), ("loss", loss), ("dtype", dtype)):
+            object.__setattr__(self, name, value)
+        object.__setattr__(self, "float64_accumulate", float64_accumulate_of(float64_accumulate, deterministic))
+        self.__post_init__()
+
+    @property
+    def deterministic(self) -> bool:
+        """The old name of ``float64_accumulate``."""
+        return self.float64_accumulate
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "ops", parse_ops(self.ops))
@@ -149,8 +169,6 @@ class TrainSpec:
         if self.loss not in LOSSES:
             raise UsageError(f"loss must be one of {', '.join(LOSSES)}, got {self.loss!r}")
         object.__setattr__(self, "dtype", check_dtype(self.dtype))
-        if not isinstance(self.deterministic, bool):
-            raise UsageError(f"deterministic must be true or false, got {self.deterministic!r}")
 
     @property
     def steps_per_epoch(self) -> int:
@@ -168,7 +186,8 @@ class TrainSpec:
         """JSON-ready form."""
         return {"ops": [o.to_dict() for o in self.ops], "params": [list(p) for p in self.params],
                 "data": self.data.to_dict(), "lr": list(self.lr), "momentum": self.momentum,
-                "batch": self.batch, "loss": self.loss, "dtype": self.dtype, "deterministic": self.deterministic}
+                "batch": self.batch, "loss": self.loss, "dtype": self.dtype,
+                "float64_accumulate": self.float64_accumulate}
 
     def to_json(self) -> str:
         """The JSON text a coordinator ships."""
@@ -177,16 +196,20 @@ class TrainSpec:
     @classmethod
     def from_dict(cls, d: Any) -> "TrainSpec":
         """Parse the JSON form; unknown keys are refused."""
-        keys = {"ops", "params", "data", "lr", "momentum", "batch", "loss", "dtype", "deterministic"}
+        keys = {"ops", "params", "data", "lr", "momentum", "batch", "loss", "dtype", "float64_accumulate", "deterministic"}
         if not isinstance(d, Mapping) or not {"ops", "params", "data", "lr"} <= set(d) <= keys:
             raise UsageError(f"a train spec needs ops, params, data, lr (optional: momentum, batch, loss, dtype, "
-                             f"deterministic); got {sorted(d) if isinstance(d, Mapping) else d!r}")
+                             f"float64_accumulate); got {sorted(d) if isinstance(d, Mapping) else d!r}")
+        old = d.get("deterministic")  # the old name of float64_accumulate
+        if "deterministic" in d and old is None:
+            raise UsageError("deterministic must be true or false, got None")
         params = _pairs(d["params"])
         lr = d["lr"]
         if not isinstance(lr, list):
             raise UsageError("lr must be a list (one learning rate per epoch)")
         return cls(d["ops"], params, DataSpec.from_dict(d["data"]), tuple(lr), d.get("momentum", 0.0),
-                   d.get("batch", 1), d.get("loss", "mse"), d.get("dtype", "float32"), d.get("deterministic", False))
+                   d.get("batch", 1), d.get("loss", "mse"), d.get("dtype", "float32"), d.get("float64_accumulate", False),
+                   deterministic=old)
 
     @classmethod
     def from_json(cls, text: str | bytes) -> "TrainSpec":

@@ -1,4 +1,4 @@
-"""mean_reduce and the group's collectives in both topologies, at several world sizes, over TCP."""
+"""group_mean (old name mean_reduce) and the group's collectives in both topologies, at several world sizes, over TCP."""
 
 from __future__ import annotations
 
@@ -6,7 +6,7 @@ import numpy as np
 import pytest
 
 from gradcoll.errors import GradcollError, TransportError, UsageError
-from gradcoll.node import connect_local, mean_reduce
+from gradcoll.node import connect_local, group_mean, mean_reduce
 from gradcoll.testing import run_ranks
 
 
@@ -31,16 +31,32 @@ def test_ring_sum_of_1_to_4_over_4_ranks_is_10_and_mean_2_5() -> None:
     assert _each(_groups(4), body) == [(10.0, 2.5)] * 4
 
 
-def test_deterministic_mode_accumulates_in_float64() -> None:
+@pytest.mark.parametrize("flag", [{"float64_accumulate": True}, {"deterministic": True}])
+def test_float64_accumulate_sums_in_float64_under_either_name(flag: dict) -> None:
     values = [1e8, -1e8, 4.0, 4.0]
 
     def body(g):
         buf = np.array([values[g.rank]], np.float32)
-        out = mean_reduce(g, buf, op="sum", deterministic=True)
+        out = group_mean(g, buf, op="sum", **flag)
         assert out is buf and out.dtype == np.float32
-        return out[0], mean_reduce(g, np.array([values[g.rank]], np.float32), deterministic=True)[0]
+        return out[0], mean_reduce(g, np.array([values[g.rank]], np.float32), **flag)[0]
 
     assert _each(_groups(4), body) == [(8.0, 2.0)] * 4
+
+
+def test_the_old_names_are_aliases_and_the_flag_names_must_agree() -> None:
+    import gradcoll.node as node
+
+    assert node.mean_reduce is node.group_mean
+    (g,) = _groups(1)
+    try:
+        with pytest.raises(UsageError, match="disagree"):
+            group_mean(g, np.ones(2, np.float32), float64_accumulate=True, deterministic=False)
+        with pytest.raises(UsageError, match="deterministic must be true or false"):
+            group_mean(g, np.ones(2, np.float32), deterministic="yes")  # type: ignore[arg-type]
+        assert group_mean(g, np.ones(2, np.float32), float64_accumulate=True, deterministic=True).tolist() == [1, 1]
+    finally:
+        g.close()
 
 
 @pytest.mark.parametrize("topology", ["mesh", "star"])

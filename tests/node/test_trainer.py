@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import json
+
 import numpy as np
 import pytest
 
@@ -171,6 +173,20 @@ def test_train_spec_json_round_trip_and_validation() -> None:
         TrainSpec.from_json('{"ops": [], "exec": "x"}')
     with pytest.raises(UsageError, match="does not fit data"):
         train_local(_spec(data=DataSpec("mem://x", "mem://y", 35, 10)), RESOLVE)
+
+
+def test_float64_accumulate_is_read_under_its_old_name_deterministic_too() -> None:
+    spec = _spec(float64_accumulate=True)
+    assert spec.float64_accumulate and spec.deterministic and _spec(deterministic=True) == spec
+    assert json.loads(spec.to_json())["float64_accumulate"] is True
+    old = {k: v for k, v in spec.to_dict().items() if k != "float64_accumulate"}
+    assert TrainSpec.from_dict({**old, "deterministic": True}) == spec
+    assert TrainSpec.from_dict(old) == _spec()
+    for doc, words in [({**old, "deterministic": None}, "deterministic must be true or false"),
+                       ({**old, "float64_accumulate": 1}, "float64_accumulate must be true or false"),
+                       ({**old, "float64_accumulate": True, "deterministic": False}, "disagree")]:
+        with pytest.raises(UsageError, match=words):
+            TrainSpec.from_dict(doc)
 
 
 def test_rank_0_does_not_serve_and_a_bad_spec_is_a_protocol_error() -> None:
