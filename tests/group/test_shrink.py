@@ -88,17 +88,24 @@ def _proc_rank(rank: int, size: int, path: str, backend: str, where: str, out: A
     def die(g: ProcessGroup) -> None:
         if where == "between":
             os._exit(1)
-        def exit_inside() -> None:
-            while g._diag.rec.current is None:  # until the allreduce below has started
-                threading.Event().wait(0.0005)
-            threading.Event().wait(0.002)
-            with open(path + ".died", "w") as f:  # tells the parent whether it died inside the collective
-                f.write("inside" if g._diag.rec.current is not None else "outside")
-            os._exit(1)
+        # Exit at this rank's 5th transport call of the allreduce below: a few segments into the ring, so the
+        # peers are inside the collective with it (a 4-rank ring makes at least 12 calls). A timer could miss
+        # a collective that finishes first.
+        calls = [0]
 
-        grad = _grad(rank, DIE_AT, n)
-        threading.Thread(target=exit_inside, daemon=True).start()
-        g.allreduce(grad)
+        def hooked(fn: Any) -> Any:
+            def call(*a: Any, **k: Any) -> Any:
+                calls[0] += 1
+                if calls[0] == 5:
+                    with open(path + ".died", "w") as f:  # tells the parent whether it died inside the collective
+                        f.write("inside" if g._diag.rec.current is not None else "outside")
+                    os._exit(1)
+                return fn(*a, **k)
+            return call
+
+        for name in ("isend", "irecv", "sendrecv"):
+            setattr(g.transport, name, hooked(getattr(g.transport, name)))
+        g.allreduce(_grad(rank, DIE_AT, n))
         threading.Event().wait(30)
 
     try:
