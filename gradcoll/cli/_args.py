@@ -8,12 +8,13 @@ from __future__ import annotations
 
 import argparse
 import os
+import sys
 import textwrap
 from collections.abc import Callable
 from typing import Any
 
 __all__ = ["HelpFormatter", "subcommand", "positive_int", "non_negative_int", "positive_float", "port", "existing_file",
-           "writable_path"]
+           "writable_path", "module_main"]
 
 
 class HelpFormatter(argparse.RawDescriptionHelpFormatter, argparse.ArgumentDefaultsHelpFormatter):
@@ -85,3 +86,16 @@ def writable_path(text: str) -> str:
     if not os.path.isdir(parent):
         raise argparse.ArgumentTypeError(f"directory {parent!r} does not exist")
     return text
+
+
+def module_main(worker_main: Callable[[list[str]], int], build_parser: Callable[[], argparse.ArgumentParser],
+                check_args: Callable[[argparse.ArgumentParser, argparse.Namespace], None],
+                run_from_args: Callable[[argparse.Namespace], int]) -> int:
+    """``python -m`` of a command that launches ranks: one rank with ``--worker`` (the driver passes it), else
+    the command itself, parsed and checked as ``gradcoll NAME ...`` does."""
+    if "--worker" in sys.argv:
+        return worker_main([x for x in sys.argv[1:] if x != "--worker"])
+    p = build_parser()
+    a = p.parse_args()
+    check_args(p, a)
+    return run_from_args(a)

@@ -52,6 +52,7 @@ from typing import TYPE_CHECKING, Any
 import numpy as np
 
 from ..algorithms import ALLREDUCE
+from ._args import module_main
 from ._bench_table import FIELDS, HEADER, format_row, load_rows, parse_size, plot, pyplot, sizes_between
 
 if TYPE_CHECKING:
@@ -265,15 +266,5 @@ def run_from_args(a: argparse.Namespace) -> int:
     return 0
 
 
-def main(argv: Sequence[str] | None = None) -> int:
-    """Entry point of ``python -m gradcoll.bench`` (the same as ``gradcoll bench``)."""
-    p = build_parser()
-    a = p.parse_args(argv)
-    check_args(p, a)
-    return run_from_args(a)
-
-
-if __name__ == "__main__":
-    if "--worker" in sys.argv:
-        sys.exit(worker_main([x for x in sys.argv[1:] if x != "--worker"]))
-    sys.exit(main())
+if __name__ == "__main__":  # python -m gradcoll.cli.bench: the same as `gradcoll bench`, or one rank of it (--worker)
+    sys.exit(module_main(worker_main, build_parser, check_args, run_from_args))

@@ -19,6 +19,8 @@ from dataclasses import dataclass
 
 import numpy as np
 
+from ._args import module_main
+
 __all__ = ["Model", "build_parser", "check_args", "run_from_args", "worker_main"]
 
 #: Samples per training step, split evenly over the ranks.
@@ -210,15 +212,5 @@ def run_from_args(a: argparse.Namespace) -> int:
     return 0
 
 
-def main(argv: Sequence[str] | None = None) -> int:
-    """Entry point of ``python -m gradcoll.demo`` (the same as ``gradcoll demo``)."""
-    p = build_parser()
-    a = p.parse_args(argv)
-    check_args(p, a)
-    return run_from_args(a)
-
-
-if __name__ == "__main__":
-    if "--worker" in sys.argv:
-        sys.exit(worker_main([a for a in sys.argv[1:] if a != "--worker"]))
-    sys.exit(main())
+if __name__ == "__main__":  # python -m gradcoll.cli.demo: the same as `gradcoll demo`, or one rank of it (--worker)
+    sys.exit(module_main(worker_main, build_parser, check_args, run_from_args))
