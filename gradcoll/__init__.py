@@ -29,8 +29,7 @@ from .errors import (
     TransportError,
     UsageError,
 )
-from .group.process_group import ProcessGroup, Work
-from .group.rendezvous import init_process_group
+from .group import ProcessGroup, Work, init_process_group
 from .optimizer import (
     AggregatedGradient,
     AggregationStrategy,

@@ -1,6 +1,6 @@
 """``gradcoll bench``: an nccl-tests-style allreduce table over local ranks.
 
-The driver launches N ranks ([`gradcoll.launch.launch`][gradcoll.cli.launch.launch]); each rank
+The driver launches N ranks ([`gradcoll.cli.launch.launch`][gradcoll.cli.launch.launch]); each rank
 sweeps the sizes, times ``iters`` allreduces after ``warmup`` ones, checks
 the result against the exact expected mean (#wrong) and reports one JSON line
 per size. The driver renders a progress bar and the table; `--json` keeps the

@@ -1,6 +1,6 @@
 """``gradcoll demo`` (``make demo``): data-parallel training across local processes.
 
-Starts N ranks with [`gradcoll.launch.launch`][gradcoll.cli.launch.launch]. Each rank trains the same
+Starts N ranks with [`gradcoll.cli.launch.launch`][gradcoll.cli.launch.launch]. Each rank trains the same
 small NumPy MLP on its slice of every global batch and averages gradients with
 ``ProcessGroup.allreduce`` (finite-checked). Rank 0 shows progress while it
 runs, then replays the same global batches in one process and reports how far

@@ -228,7 +228,7 @@ def run_from_args(a: argparse.Namespace) -> int:
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    """Entry point of ``python -m gradcoll.launch``."""
+    """Entry point of ``python -m gradcoll.cli.launch`` (``gradcoll launch``)."""
     return run_from_args(build_parser().parse_args(argv))
 
 

@@ -24,7 +24,7 @@ def _writable(buf: Any, *, reduce: bool, what: str = "buf") -> tuple[np.ndarray,
     """A C-contiguous array to run on, and a function that copies the result back into ``buf``.
 
     NumPy arrays that are strided views are copied and written back (documented);
-    every other object goes through [`gradcoll.buffers.as_buffer`][gradcoll.group.buffers.as_buffer], which views
+    every other object goes through [`gradcoll.group.buffers.as_buffer`][gradcoll.group.buffers.as_buffer], which views
     it without a copy or refuses it with an error naming it.
     """
     if not isinstance(buf, np.ndarray):
@@ -58,9 +58,9 @@ class ProcessGroup:
 
     ``stall_warning_s`` (default 10 s; None turns it off): a collective that
     has run this long logs, on logger ``"gradcoll"``, which ranks have arrived
-    and which have not, and keeps waiting (``gradcoll.diagnosis``).
+    and which have not, and keeps waiting (``gradcoll.observe.diagnosis``).
     ``trace``: record a Chrome trace from the start and write it at
-    [`close`][gradcoll.group.ProcessGroup.close] (each rank to its own file, see [`gradcoll.trace.trace_path`][gradcoll.observe.trace.trace_path]).
+    [`close`][gradcoll.group.ProcessGroup.close] (each rank to its own file, see [`gradcoll.observe.trace.trace_path`][gradcoll.observe.trace.trace_path]).
     ``stats_window``: how many recent records [`stats`][gradcoll.group.ProcessGroup.stats] keeps. ``control``
     is a control channel (stall reports from peers) the group then owns and closes; ``membership`` is what
     [`init_process_group`][gradcoll.group.rendezvous.init_process_group] hands a group instead: a control
@@ -318,7 +318,7 @@ class ProcessGroup:
         return self._diag.rec.stats()
 
     def start_trace(self) -> None:
-        """Start recording a Chrome trace of this rank's collectives (see [`gradcoll.trace`][gradcoll.observe.trace])."""
+        """Start recording a Chrome trace of this rank's collectives (see [`gradcoll.observe.trace`][gradcoll.observe.trace])."""
         self._diag.rec.start_trace()
 
     def stop_trace(self, path: str) -> str | None:
@@ -331,7 +331,7 @@ class ProcessGroup:
         Every survivor must call it. This group is closed; the new one has the
         survivors renumbered in old rank order and sequence numbers from 0.
         Raises ShrinkFailed when no agreement is reached within ``timeout``
-        (default the group's) or this rank was left out. See [`gradcoll.shrink`][gradcoll.group.shrink].
+        (default the group's) or this rank was left out. See [`gradcoll.group.shrink`][gradcoll.group.shrink].
         """
         if self._membership is None:
             raise UsageError(f"rank {self.rank}: shrink() needs the control channel of a group built by "

@@ -145,7 +145,7 @@ def init_process_group(
     ``stall_warning_s`` and ``trace`` go to the ProcessGroup (stall warnings,
     Chrome trace path). The group also gets a control channel (a UDP socket
     per rank on the tcp ``host`` option, default 127.0.0.1) for stall reports
-    and ``shrink()``; see ``gradcoll.diagnosis``.
+    and ``shrink()``; see ``gradcoll.observe.diagnosis``.
 
     Startup: every rank publishes the world size it was given (and where it
     came from: the argument or a launcher's variable); ranks that disagree

@@ -3,7 +3,7 @@
 After a rank dies (its peers' collectives fail and poison the group), every
 survivor calls ``group.shrink()``. The old transport is closed at once, so a
 survivor still waiting on this rank fails fast and joins too. Then, over the
-group's control channel (``gradcoll.diagnosis``, UDP, addresses learned
+group's control channel (``gradcoll.observe.diagnosis``, UDP, addresses learned
 at bootstrap; the bootstrap store is gone by now):
 
 1. **Join.** Every survivor sends ``JOIN`` to every old peer every 100 ms and

@@ -24,7 +24,7 @@ Datagrams carry a random 8-byte group token (set by rank 0 at bootstrap), so
 a stray one from another group is ignored. Without a control channel (a
 group built directly on a transport) the warning gives this rank's own view
 only. The channel is also how survivors agree on membership after a failure
-([`gradcoll.shrink`][gradcoll.group.shrink]). UDP across hosts may be filtered or lossy: the
+([`gradcoll.group.shrink`][gradcoll.group.shrink]). UDP across hosts may be filtered or lossy: the
 stall report then lists those peers under "no answer".
 """
 

@@ -1,7 +1,7 @@
 """``gradcoll stragglers TRACE.json [...]``: which ranks made the others wait.
 
 Reads Chrome traces written by [`ProcessGroup`][gradcoll.group.ProcessGroup]
-(per-rank files or one merged file, see [`gradcoll.trace`][gradcoll.observe.trace]) and matches
+(per-rank files or one merged file, see [`gradcoll.observe.trace`][gradcoll.observe.trace]) and matches
 the events of one collective across ranks by sequence number (and world
 size, so the groups before and after a ``shrink()`` stay apart). In every
 collective the rank that arrived last held up every other: each other rank
