@@ -23,9 +23,10 @@ import time
 from collections import deque
 from typing import Any
 
+from .._util import Deadline
 from ..errors import BackendUnavailable, CollectiveMismatch, TransportBroken, TransportClosed, UsageError
 from ..store import Store
-from .base import Deadline, Request, Transport, as_bytes_view, as_writable_view
+from .base import Request, Transport, as_bytes_view, as_writable_view
 
 __all__ = ["MpiTransport", "create"]
 
@@ -64,6 +65,14 @@ class _Op(Request):
 
     def test(self) -> bool:
         return self._t._test(self)
+
+    def cancel(self) -> bool:
+        """Withdraw a receive that has not matched a message yet; True if withdrawn or done.
+
+        A send is MPI's from ``Isend`` on: it can only be done (True) or under
+        way (False).
+        """
+        return self._t._cancel(self)
 
 
 class MpiTransport(Transport):
@@ -195,6 +204,13 @@ class MpiTransport(Transport):
     def _test(self, op: _Op) -> bool:
         with self._lock:
             self._progress()
+            return op.done
+
+    def _cancel(self, op: _Op) -> bool:
+        with self._lock:
+            if not op.done and not op.is_send and op.req is None:
+                self._recvq[op.peer].remove(op)  # nothing matched yet: the next receive gets the next message
+                op.view, op.done = op.view[:0], True  # it moved nothing: wait() returns 0
             return op.done
 
     def _expire(self, ops: tuple[_Op, ...], timeout: float | None) -> None:

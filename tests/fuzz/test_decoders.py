@@ -114,23 +114,21 @@ def test_arrow_gradients() -> None:
 
 # -- rendezvous store requests ---------------------------------------------------------
 def test_store_requests() -> None:
-    from gradcoll import store as st_mod
+    from gradcoll.store import _server
 
-    srv = object.__new__(st_mod._StoreServer)  # the request handler alone, no sockets
-    import threading
+    kv = _server.KeyValue()  # the request handler alone, no sockets
+    kv.data, kv.closing = {"k": b"1"}, True  # closing: a GET never waits
 
-    srv.data, srv.cond, srv.closing = {"k": b"1"}, threading.Condition(), True  # closing: a GET never waits
-
-    valid = bytes([st_mod._SET]) + st_mod._blob(b"key") + st_mod._blob(b"value")
+    valid = bytes([_server.SET]) + _server.blob(b"key") + _server.blob(b"value")
 
     @FUZZ
     @given(mutations(valid))
     def run(payload: bytes) -> None:
         try:
-            reply = srv._handle(st_mod._Reader(payload))
+            reply = kv.handle(payload)
         except ProtocolError:
             return
         assert isinstance(reply, bytes) and reply
-        assert len(srv.data) < 10_000
+        assert len(kv.data) < 10_000
 
     run()
