@@ -6,10 +6,17 @@ errors), so the store, the transports and the front ends can all use it.
 
 from __future__ import annotations
 
-import socket
 import time
+from typing import Protocol
 
 __all__ = ["Deadline", "recv_exact", "recv_upto"]
+
+
+class Receiver(Protocol):
+    """What the socket helpers need of a socket (``socket.socket`` has it); typed here so that
+    this module does not import ``socket``: the layers that must not touch one import this module."""
+
+    def recv(self, bufsize: int, /) -> bytes: ...
 
 
 class Deadline:
@@ -32,7 +39,7 @@ class Deadline:
         return self.at is not None and time.monotonic() >= self.at
 
 
-def recv_upto(sock: socket.socket, n: int) -> bytes:
+def recv_upto(sock: Receiver, n: int) -> bytes:
     """Read ``n`` bytes from a blocking socket; fewer only when the peer closed the connection first.
 
     Timeouts and errors of the socket propagate as they are (``TimeoutError``,
@@ -47,7 +54,7 @@ def recv_upto(sock: socket.socket, n: int) -> bytes:
     return bytes(out)
 
 
-def recv_exact(sock: socket.socket, n: int, what: str = "message") -> bytes:
+def recv_exact(sock: Receiver, n: int, what: str = "message") -> bytes:
     """Read exactly ``n`` bytes; ``ConnectionError`` naming ``what`` if the peer closes first."""
     out = recv_upto(sock, n)
     if len(out) < n:

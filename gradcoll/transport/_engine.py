@@ -18,12 +18,12 @@ from typing import Any
 from .._util import Deadline
 from ..errors import CollectiveTimeout, TransportBroken, TransportClosed
 from . import frame as fr
-from .base import Request, Transport, as_bytes_view, as_writable_view
+from .base import QueuedRequest, Request, Transport, as_bytes_view, as_writable_view
 
 __all__ = ["Op", "Link", "FramedTransport"]
 
 
-class Op(Request):
+class Op(QueuedRequest):
     """One queued send or receive; ``off`` counts bytes moved, header included."""
 
     __slots__ = ("_t", "link", "is_send", "view", "tag", "total", "off", "hdr", "seq", "done", "error", "stray")
@@ -44,16 +44,6 @@ class Op(Request):
         seq = f"seq {self.seq}, " if self.seq >= 0 else ""
         peer = f" {where[1]} peer {self.link.peer}" if with_peer else ""
         return f"{where[0]}{peer} ({seq}tag {self.tag}, {self.total} bytes)"
-
-    def wait(self, timeout: float | None = None) -> int:
-        return self._t._wait((self,), timeout)
-
-    def test(self) -> bool:
-        return self._t._test(self)
-
-    def cancel(self) -> bool:
-        """Withdraw the operation if no byte of it has moved; True if it was withdrawn (or is done)."""
-        return self._t._abandon(self)
 
 
 def _all_done(ops: tuple[Op, ...]) -> bool:
@@ -161,7 +151,7 @@ class FramedTransport(Transport):
         try:
             sop = self._start(dst, as_bytes_view(sendbuf), tag, True)
         except BaseException:
-            self._abandon(rop)
+            self._cancel(rop)
             raise
         self._wait((rop, sop), timeout)
         return rop.total
@@ -285,7 +275,7 @@ class FramedTransport(Transport):
         link.recvq.clear()
         self._busy.pop(link, None)
 
-    def _abandon(self, op: Op) -> bool:
+    def _cancel(self, op: Op) -> bool:
         """``Request.cancel``: withdraw ``op`` if no byte of it has moved (its ``wait`` then returns 0)."""
         with self._mu:
             if not op.done and op.off == 0:

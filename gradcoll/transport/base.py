@@ -53,12 +53,12 @@ Contract (checked by ``gradcoll.testing.check_transport``):
 from __future__ import annotations
 
 import abc
-from typing import Any
+from typing import Any, Protocol
 
 from .._util import Deadline
 from ..errors import CollectiveTimeout, UsageError
 
-__all__ = ["Transport", "Request", "Deadline", "as_bytes_view", "as_writable_view"]
+__all__ = ["Transport", "Request", "QueuedRequest", "Deadline", "as_bytes_view", "as_writable_view"]
 
 
 def as_bytes_view(buf: Any) -> memoryview:
@@ -97,6 +97,37 @@ class Request(abc.ABC):
         only once the operation is done.
         """
         return self.test()
+
+
+class _Queues(Protocol):
+    """What a ``QueuedRequest``'s transport provides."""
+
+    def _wait(self, ops: tuple[Any, ...], timeout: float | None) -> int: ...
+
+    def _test(self, op: Any) -> bool: ...
+
+    def _cancel(self, op: Any) -> bool: ...
+
+
+class QueuedRequest(Request):
+    """For implementations: a request that is a handle on its transport's queues (``tcp``, ``shm``, ``mpi``).
+
+    ``wait``, ``test`` and ``cancel`` are the transport's own
+    ``_wait((op,), timeout)``, ``_test(op)`` and ``_cancel(op)``, which drive
+    every queued operation of the transport, not only this one.
+    """
+
+    __slots__ = ()
+    _t: _Queues
+
+    def wait(self, timeout: float | None = None) -> int:
+        return self._t._wait((self,), timeout)
+
+    def test(self) -> bool:
+        return self._t._test(self)
+
+    def cancel(self) -> bool:
+        return self._t._cancel(self)
 
 
 class Transport(abc.ABC):

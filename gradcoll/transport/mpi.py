@@ -26,7 +26,7 @@ from typing import Any
 from .._util import Deadline
 from ..errors import BackendUnavailable, CollectiveMismatch, TransportBroken, TransportClosed, UsageError
 from ..store import Store
-from .base import Request, Transport, as_bytes_view, as_writable_view
+from .base import QueuedRequest, Request, Transport, as_bytes_view, as_writable_view
 
 __all__ = ["MpiTransport", "create"]
 
@@ -45,7 +45,7 @@ def _import_mpi() -> Any:
     return MPI
 
 
-class _Op(Request):
+class _Op(QueuedRequest):
     """An ``isend``/``irecv`` in flight; ``req`` is the MPI request once one exists."""
 
     __slots__ = ("_t", "peer", "view", "tag", "is_send", "seq", "req", "done", "error")
@@ -59,20 +59,6 @@ class _Op(Request):
     def describe(self) -> str:
         where = f"send to peer {self.peer}" if self.is_send else f"recv from peer {self.peer}"
         return f"{where} (seq {self.seq}, tag {self.tag}, {len(self.view)} bytes)"
-
-    def wait(self, timeout: float | None = None) -> int:
-        return self._t._wait((self,), timeout)
-
-    def test(self) -> bool:
-        return self._t._test(self)
-
-    def cancel(self) -> bool:
-        """Withdraw a receive that has not matched a message yet; True if withdrawn or done.
-
-        A send is MPI's from ``Isend`` on: it can only be done (True) or under
-        way (False).
-        """
-        return self._t._cancel(self)
 
 
 class MpiTransport(Transport):
@@ -207,6 +193,7 @@ class MpiTransport(Transport):
             return op.done
 
     def _cancel(self, op: _Op) -> bool:
+        """Withdraw a receive that has not matched a message yet; a send is MPI's from ``Isend`` on."""
         with self._lock:
             if not op.done and not op.is_send and op.req is None:
                 self._recvq[op.peer].remove(op)  # nothing matched yet: the next receive gets the next message
