@@ -14,8 +14,8 @@ import threading
 import time
 from typing import Any
 
+from .._util import Deadline
 from ..errors import CollectiveMismatch, CollectiveTimeout, NonFiniteError, ProtocolError
-from ..transport.base import Deadline
 from ._conn import POLL_S
 from ._faults import jidoka_text, reworded
 from ._peers import Peer, Slot

@@ -17,8 +17,8 @@ import threading
 import time
 from typing import Any
 
+from .._util import Deadline
 from ..errors import CollectiveTimeout, GradcollError, TransportBroken, TransportClosed
-from ..transport.base import Deadline
 from .protocol import FrameDecoder, Message, encode_parts
 
 __all__ = ["Conn", "POLL_S", "SOCKBUF", "tune"]

@@ -15,8 +15,8 @@ import secrets
 import threading
 import time
 
+from .._util import Deadline
 from ..errors import CollectiveTimeout, GradcollError
-from ..transport.base import Deadline
 from ._conn import POLL_S
 from ._faults import coordinator_proof, proof_matches, worker_proof
 from ._peers import Peer, log

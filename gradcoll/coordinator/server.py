@@ -28,9 +28,9 @@ from typing import Any
 import numpy as np
 
 from .. import kernels
+from .._util import Deadline
 from ..algorithms._common import Workspace
 from ..errors import GradcollError, GroupPoisoned, NonFiniteError, TransportBroken, TransportClosed, UsageError
-from ..transport.base import Deadline
 from ._collect import check_same_shape, gather, halt_error
 from ._conn import POLL_S
 from ._faults import abort_code, culprit, reworded

@@ -21,8 +21,8 @@ import time
 from collections.abc import Callable
 from typing import Any, cast
 
+from .._util import Deadline
 from ..errors import CollectiveMismatch, CollectiveTimeout, GradcollError, GroupPoisoned, ProtocolError, TransportBroken, TransportClosed, UsageError
-from ..transport.base import Deadline
 from ._conn import POLL_S, Conn, tune
 from ._faults import coordinator_proof, error_from_abort, proof_matches, worker_proof
 from .config import DistributedConfig, Role, parse_addr

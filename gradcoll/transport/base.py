@@ -29,27 +29,36 @@ Contract (checked by ``gradcoll.testing.check_transport``):
   flight). Zero-length messages are legal.
 * ``Request.cancel`` withdraws an operation no byte of which has moved yet
   (True), or reports that it is already done (True) or under way (False).
-  The collectives' error path cancels the receives it no longer needs.
+  A withdrawn request is done: ``test()`` is True and ``wait()`` returns 0
+  at once. A withdrawn receive takes no message: the next message from that
+  peer goes to the next receive. The collectives' error path cancels the
+  receives it no longer needs.
 * ``lenient_tags``: a transport that sets it True guarantees that a receive
   posted with a tag ``>= LENIENT_TAG`` (:mod:`gradcoll.transport.frame`) that
   meets a frame with another lenient tag or length consumes that frame whole,
-  fails with ``FrameMismatch`` carrying it, and leaves the link in step. The
-  collectives then run without an agreement round before their data
-  (``gradcoll.algorithms._guard``); transports without it get one.
+  fails with ``FrameMismatch`` carrying it (``peer``, ``tag``, ``payload``),
+  and leaves the link in step. The collectives then run without an agreement
+  round before their data (``gradcoll.algorithms._guard``); transports
+  without it get one.
 * ``blocked_s`` counts the seconds collectives spent waiting on this
   transport; callers add to it through ``note_wait`` (ProcessGroup.stats()
   reports it as wait time).
+* Errors carry what the collectives' error path reads: ``TransportClosed``
+  and ``TransportBroken`` their ``peer``, ``CollectiveTimeout`` the peers it
+  waited for in ``missing``. ``closed`` is True once this rank's own
+  ``close()`` ran (a collective then says "this rank's transport was
+  closed", not "the peer closed the link").
 """
 
 from __future__ import annotations
 
 import abc
-import time
-from typing import Any
+from typing import Any, Protocol
 
+from .._util import Deadline
 from ..errors import CollectiveTimeout, UsageError
 
-__all__ = ["Transport", "Request", "Deadline", "as_bytes_view", "as_writable_view"]
+__all__ = ["Transport", "Request", "QueuedRequest", "Deadline", "as_bytes_view", "as_writable_view"]
 
 
 def as_bytes_view(buf: Any) -> memoryview:
@@ -68,26 +77,6 @@ def as_writable_view(buf: Any) -> memoryview:
     if not mv.c_contiguous:
         raise UsageError("transport buffers must be C-contiguous")
     return mv.cast("B") if (mv.format != "B" or mv.ndim != 1) else mv
-
-
-class Deadline:
-    """A point in time derived from a timeout in seconds; ``remaining()`` never negative."""
-
-    __slots__ = ("at", "timeout")
-
-    def __init__(self, timeout: float | None) -> None:
-        self.timeout = timeout
-        self.at = None if timeout is None else time.monotonic() + timeout
-
-    def remaining(self) -> float | None:
-        """Seconds left, or None for no limit."""
-        if self.at is None:
-            return None
-        return max(0.0, self.at - time.monotonic())
-
-    def expired(self) -> bool:
-        """True once the deadline has passed."""
-        return self.at is not None and time.monotonic() >= self.at
 
 
 class Request(abc.ABC):
@@ -110,6 +99,37 @@ class Request(abc.ABC):
         return self.test()
 
 
+class _Queues(Protocol):
+    """What a ``QueuedRequest``'s transport provides."""
+
+    def _wait(self, ops: tuple[Any, ...], timeout: float | None) -> int: ...
+
+    def _test(self, op: Any) -> bool: ...
+
+    def _cancel(self, op: Any) -> bool: ...
+
+
+class QueuedRequest(Request):
+    """For implementations: a request that is a handle on its transport's queues (``tcp``, ``shm``, ``mpi``).
+
+    ``wait``, ``test`` and ``cancel`` are the transport's own
+    ``_wait((op,), timeout)``, ``_test(op)`` and ``_cancel(op)``, which drive
+    every queued operation of the transport, not only this one.
+    """
+
+    __slots__ = ()
+    _t: _Queues
+
+    def wait(self, timeout: float | None = None) -> int:
+        return self._t._wait((self,), timeout)
+
+    def test(self) -> bool:
+        return self._t._test(self)
+
+    def cancel(self) -> bool:
+        return self._t._cancel(self)
+
+
 class Transport(abc.ABC):
     """Point-to-point byte transport between ``size`` ranks."""
 
@@ -119,6 +139,13 @@ class Transport(abc.ABC):
     blocked_s: float = 0.0
     #: True when receives with lenient tags survive a mismatch (see the module docstring).
     lenient_tags: bool = False
+    #: This rank and the world size.
+    rank: int
+    size: int
+    #: Default timeout in seconds of every blocking call (``timeout=None``).
+    timeout: float
+    #: True once ``close()`` was called on this transport.
+    closed: bool
 
     def __init__(self, rank: int, size: int, timeout: float = 300.0) -> None:
         if size < 1:

@@ -1,8 +1,14 @@
-"""Framed links: the message header and the queue engine of the byte-stream transports.
+"""The transport frame codec: headers, handshake records, tag ranges and what a receive makes of a frame.
 
-Byte-stream transports (``tcp``, ``shm``) put a 24-byte header before every
-payload so a receiver can check, before trusting the bytes, that it gets
-exactly the message it expects:
+Sans-I/O: these functions take and return bytes, headers and verdicts and
+never touch a socket, a segment, a thread or a clock, so they are tested and
+fuzzed on their own (like h11's). The transports (``tcp``, ``shm`` through
+``gradcoll.transport._engine``; ``inproc`` and the simulated network for
+their matching) do the I/O around them. Byte layouts: ``docs/wire.md``.
+
+Byte-stream transports put a 24-byte header before every payload so a
+receiver can check, before trusting the bytes, that it gets exactly the
+message it expects:
 
     u8 kind | 3 pad | u32 tag | u64 seq | u64 length      (little-endian)
 
@@ -10,7 +16,7 @@ exactly the message it expects:
 ``ABORT`` when the sender dropped the link after an error (its ``tag``
 holds an ``ABORT_*`` reason code); nothing follows CLOSE or ABORT. ``seq``
 counts messages per ordered pair from 0. The TCP handshake is a 32-byte
-``HELLO`` record. See ``docs/wire.md``.
+``HELLO`` record.
 
 A receive finds exactly the tag and length it expects, or the link is
 dropped with an ABORT, except between *lenient* tags (``>= LENIENT_TAG``,
@@ -18,30 +24,28 @@ the collectives' own): there the unexpected frame is read in whole, the
 receive fails with ``FrameMismatch`` carrying it, and the link stays in
 step. That is how a collective learns of another rank's different call or
 alarm without losing the link it needs to agree on the error.
+[`classify`][gradcoll.transport.frame.classify] says which case a header
+is.
 
-The codec below is sans-I/O. ``FramedTransport`` is the part both
-transports share and that still touches no socket or segment: per-peer
-send/receive queues, sequence numbers, the one-driver-at-a-time wait loop,
-timeouts and sticky link failures. Subclasses supply ``_push``/``_pull`` (move
-bytes without blocking) and ``_idle`` (wait until bytes may move).
+There is no incremental parser that buffers a stream: the transports read a
+header straight into its 24 bytes and the payload straight into the caller's
+buffer (no staging copy), so the codec decodes in place
+(``unpack_header(buf, offset)``) instead.
 """
 
 from __future__ import annotations
 
 import struct
-import threading
-from collections import deque
-from collections.abc import Iterable
-from typing import Any, NamedTuple
+from typing import NamedTuple
 
-from ..errors import CollectiveMismatch, CollectiveTimeout, ProtocolError, TransportBroken, TransportClosed, UsageError
-from .base import Deadline, Request, Transport, as_bytes_view, as_writable_view
+from ..errors import CollectiveMismatch, ProtocolError, UsageError
 
 __all__ = [
-    "DATA", "CLOSE", "ABORT", "ABORT_REASONS", "HEADER", "HEADER_SIZE", "MAX_TAG", "Header",
-    "pack_header", "unpack_header", "check_tag", "check_header", "HELLO", "ACK", "HELLO_SIZE",
-    "MAGIC", "VERSION", "Hello", "pack_hello", "unpack_hello", "Op", "Link", "FramedTransport",
-    "LENIENT_TAG", "FrameMismatch",
+    "DATA", "CLOSE", "ABORT", "ABORT_ERROR", "ABORT_MISMATCH", "ABORT_TIMEOUT", "ABORT_PROTOCOL", "ABORT_REASONS",
+    "HEADER", "HEADER_SIZE", "MAX_TAG", "LENIENT_TAG", "Header", "pack_header", "unpack_header", "check_tag",
+    "abort_reason", "EXPECTED", "STRAY", "CLOSED", "ABORTED", "MISMATCH", "classify", "mismatch_error",
+    "check_header", "FrameMismatch", "lenient_mismatch", "HELLO", "ACK", "HELLO_SIZE", "MAGIC", "VERSION",
+    "Hello", "pack_hello", "unpack_hello",
 ]
 
 DATA = 1
@@ -52,6 +56,7 @@ ABORT_ERROR = 0
 ABORT_MISMATCH = 1
 ABORT_TIMEOUT = 2
 ABORT_PROTOCOL = 3
+#: ABORT reason code -> the words a receiver's error uses ("dropped the link after <reason> on its side").
 ABORT_REASONS = {
     ABORT_ERROR: "an error",
     ABORT_MISMATCH: "a collective mismatch",
@@ -107,16 +112,58 @@ def check_tag(tag: int) -> int:
 
 
 def pack_header(seq: int, tag: int, length: int, kind: int = DATA) -> bytes:
-    """Encode a message header."""
+    """Encode a message header (24 bytes)."""
     return HEADER.pack(kind, tag, seq, length)
 
 
 def unpack_header(buf: bytes | bytearray | memoryview, offset: int = 0) -> Header:
-    """Decode a message header; an unknown kind is a ProtocolError."""
+    """Decode the header at ``buf[offset:offset + 24]``; an unknown kind is a ProtocolError."""
     kind, tag, seq, length = HEADER.unpack_from(buf, offset)
     if kind not in (DATA, CLOSE, ABORT):
         raise ProtocolError(f"unknown frame kind {kind} (seq {seq}, tag {tag}, {length} bytes)")
     return Header(kind, tag, seq, length)
+
+
+def abort_reason(code: int) -> str:
+    """The words for an ABORT reason code (an unknown code reads as "an error")."""
+    return ABORT_REASONS.get(code, ABORT_REASONS[ABORT_ERROR])
+
+
+# -- what a receive makes of a header -----------------------------------------------
+#: ``classify`` verdicts.
+EXPECTED = "expected"  # the DATA frame the receive waits for: read its payload
+STRAY = "stray"  # another lenient frame met by a lenient receive: read it whole, fail with FrameMismatch
+CLOSED = "closed"  # the peer closed the link in order: TransportClosed
+ABORTED = "aborted"  # the peer dropped the link; ``tag`` is the reason: TransportBroken
+MISMATCH = "mismatch"  # anything else: CollectiveMismatch, and the stream is out of step
+
+
+def classify(got: Header, *, seq: int, tag: int, length: int) -> str:
+    """What a receive expecting DATA (``seq``, ``tag``, ``length``) does with the frame ``got``.
+
+    One of ``EXPECTED``, ``STRAY``, ``CLOSED``, ``ABORTED``, ``MISMATCH``.
+    A frame is ``STRAY`` only when it is in sequence and both its tag and the
+    expected one are lenient (``>= LENIENT_TAG``).
+    """
+    if got.kind == CLOSE:
+        return CLOSED
+    if got.kind == ABORT:
+        return ABORTED
+    if got.seq == seq and got.tag == tag and got.length == length:
+        return EXPECTED
+    if got.seq == seq and got.tag >= LENIENT_TAG and tag >= LENIENT_TAG:
+        return STRAY
+    return MISMATCH
+
+
+def mismatch_error(got: Header, *, seq: int, tag: int, length: int, rank: int, peer: int,
+                   transport: str) -> CollectiveMismatch:
+    """The ``CollectiveMismatch`` of a receive (``seq``, ``tag``, ``length``) that met ``got``, naming both sides."""
+    return CollectiveMismatch(
+        f"rank {rank}: recv from peer {peer} expected seq {seq} tag {tag} ({length} bytes), "
+        f"but peer {peer} sent seq {got.seq} tag {got.tag} ({got.length} bytes) "
+        f"({transport} transport; the ranks are running different collectives)"
+    )
 
 
 def check_header(
@@ -125,11 +172,7 @@ def check_header(
     """Raise CollectiveMismatch unless ``got`` is the DATA message (seq, tag, length) we expect."""
     if got.kind == DATA and got.seq == seq and got.tag == tag and got.length == length:
         return
-    raise CollectiveMismatch(
-        f"rank {rank}: recv from peer {peer} expected seq {seq} tag {tag} ({length} bytes), "
-        f"but peer {peer} sent seq {got.seq} tag {got.tag} ({got.length} bytes) "
-        f"({transport} transport; the ranks are running different collectives)"
-    )
+    raise mismatch_error(got, seq=seq, tag=tag, length=length, rank=rank, peer=peer, transport=transport)
 
 
 class FrameMismatch(CollectiveMismatch):
@@ -154,6 +197,7 @@ def lenient_mismatch(rank: int, peer: int, seq: int, tag: int, length: int, got_
     )
 
 
+# -- the TCP handshake record -------------------------------------------------------
 def pack_hello(kind: int, rank: int, size: int, token: bytes) -> bytes:
     """Encode a handshake record (``token`` is 16 bytes identifying the group)."""
     if len(token) != 16:
@@ -173,311 +217,3 @@ def unpack_hello(buf: bytes | bytearray | memoryview) -> Hello:
     if kind not in (HELLO, ACK):
         raise ProtocolError(f"unknown handshake kind {kind}")
     return Hello(kind, rank, size, token)
-
-
-# -- the queue engine -----------------------------------------------------------
-class Op(Request):
-    """One queued send or receive; ``off`` counts bytes moved, header included."""
-
-    __slots__ = ("_t", "link", "is_send", "view", "tag", "total", "off", "hdr", "seq", "done", "error", "stray")
-
-    def __init__(self, t: "FramedTransport", link: "Link", is_send: bool, view: memoryview, tag: int) -> None:
-        self._t, self.link, self.is_send, self.view, self.tag = t, link, is_send, view, tag
-        self.total = len(view)
-        self.off = 0
-        self.hdr: Any = None
-        self.seq = -1
-        self.done = False
-        self.error: BaseException | None = None
-        self.stray: Any = None  # (tag, expected length) once a lenient receive is redirected to a stray frame
-
-    def describe(self, with_peer: bool = True) -> str:
-        """E.g. ``recv from peer 2 (seq 7, tag 0, 4096 bytes)``."""
-        where = ("send", "to") if self.is_send else ("recv", "from")
-        seq = f"seq {self.seq}, " if self.seq >= 0 else ""
-        peer = f" {where[1]} peer {self.link.peer}" if with_peer else ""
-        return f"{where[0]}{peer} ({seq}tag {self.tag}, {self.total} bytes)"
-
-    def wait(self, timeout: float | None = None) -> int:
-        return self._t._wait((self,), timeout)
-
-    def test(self) -> bool:
-        return self._t._test(self)
-
-    def cancel(self) -> bool:
-        """Withdraw the operation if no byte of it has moved; True if it was withdrawn (or is done)."""
-        return self._t._abandon(self)
-
-
-def _all_done(ops: tuple[Op, ...]) -> bool:
-    for op in ops:
-        if not op.done:
-            return False
-    return True
-
-
-class Link:
-    """Per-peer queues and sequence numbers; subclasses add the medium (socket, ring)."""
-
-    def __init__(self, peer: int) -> None:
-        self.peer = peer
-        self.sendq: deque[Op] = deque()
-        self.recvq: deque[Op] = deque()
-        self.send_seq = self.recv_seq = 0
-        self.failure: tuple[type, str] | None = None  # sticky (exception class, reason)
-
-
-class FramedTransport(Transport):
-    """Queues, ordering, waiting, timeouts and failures shared by ``tcp`` and ``shm``."""
-
-    def __init__(self, rank: int, size: int, links: dict[int, Link], timeout: float) -> None:
-        super().__init__(rank, size, timeout)
-        self._links: list[Link | None] = [None] * size
-        for peer, link in links.items():
-            self._links[peer] = link
-        self._mu = threading.Lock()
-        self._cv = threading.Condition(self._mu)
-        self._driving = False
-        self._sleepers = 0  # threads waiting on the condition while another drives
-        self._busy: dict[Link, None] = {}  # links with queued work, in insertion order
-
-    #: Try to read at ``irecv`` time (cheap for memory rings, a wasted syscall for sockets).
-    _eager_pull = False
-    #: Receives with tags >= LENIENT_TAG survive a mismatch (see FrameMismatch).
-    lenient_tags = True
-
-    # -- hooks ---------------------------------------------------------
-    def _push(self, link: Any) -> bool:  # pragma: no cover - abstract
-        """Move queued send bytes without blocking; True if an op finished (lock held)."""
-        raise NotImplementedError
-
-    def _pull(self, link: Any) -> bool:  # pragma: no cover - abstract
-        """Move received bytes without blocking; True if an op finished (lock held)."""
-        raise NotImplementedError
-
-    def _idle(self, rounds: int, deadline: Deadline) -> None:  # pragma: no cover - abstract
-        """Wait (lock not held) until bytes may move or the deadline passes; ``rounds`` without progress so far."""
-        raise NotImplementedError
-
-    def _before_idle(self) -> None:
-        """Prepare the next ``_idle`` (lock held)."""
-
-    def _wake_driver(self) -> None:
-        """Another thread queued work while a driver may be idling."""
-
-    def _on_fail(self, link: Any, abort: int | None) -> None:
-        """The link just failed: tell the peer (``ABORT_*`` code) and stop the medium."""
-
-    # -- starting operations -------------------------------------------
-    def _start(self, peer: int, view: memoryview, tag: int, is_send: bool) -> Op:
-        if type(peer) is not int or not 0 <= peer < self.size or peer == self.rank:
-            self._check_peer(peer)  # raises the UsageError (or accepts an int subclass)
-        if type(tag) is not int or not 0 <= tag <= MAX_TAG:
-            check_tag(tag)
-        link = self._links[peer]
-        assert link is not None
-        op = Op(self, link, is_send, view, tag)
-        with self._mu:
-            if link.failure is not None:
-                cls, reason = link.failure
-                raise cls(f"rank {self.rank}: {op.describe()}: {reason}", rank=self.rank, peer=peer)
-            (link.sendq if is_send else link.recvq).append(op)
-            self._busy[link] = None
-            if is_send:
-                if len(link.sendq) == 1:
-                    self._push(link)  # inline: a small message completes right here
-            elif self._eager_pull and len(link.recvq) == 1:
-                self._pull(link)
-            if not op.done and self._driving:
-                self._wake_driver()
-        return op
-
-    def isend(self, peer: int, buf: Any, tag: int = 0) -> Request:
-        """Start sending ``buf`` to ``peer`` (written inline when there is room)."""
-        return self._start(peer, as_bytes_view(buf), tag, True)
-
-    def irecv(self, peer: int, out: Any, tag: int = 0) -> Request:
-        """Start receiving exactly ``len(out)`` bytes with ``tag`` from ``peer`` into ``out``."""
-        return self._start(peer, as_writable_view(out), tag, False)
-
-    def send(self, peer: int, buf: Any, tag: int = 0, timeout: float | None = None) -> None:
-        """Blocking send; returns when ``buf`` may be reused."""
-        self._wait((self._start(peer, as_bytes_view(buf), tag, True),), timeout)
-
-    def recv(self, peer: int, out: Any, tag: int = 0, timeout: float | None = None) -> int:
-        """Blocking receive into ``out``; returns the number of bytes received."""
-        return self._wait((self._start(peer, as_writable_view(out), tag, False),), timeout)
-
-    def sendrecv(self, dst: int, sendbuf: Any, src: int, recvbuf: Any, tag: int = 0, timeout: float | None = None) -> int:
-        """Full-duplex exchange; one loop drives both directions."""
-        rop = self._start(src, as_writable_view(recvbuf), tag, False)
-        try:
-            sop = self._start(dst, as_bytes_view(sendbuf), tag, True)
-        except BaseException:
-            self._abandon(rop)
-            raise
-        self._wait((rop, sop), timeout)
-        return rop.total
-
-    # -- waiting ---------------------------------------------------------
-    def _wait(self, ops: Iterable[Op], timeout: float | None) -> int:
-        """Wait for ``ops``: drive I/O if no other thread does, else sleep until the driver finishes them."""
-        ops = tuple(ops)
-        if _all_done(ops):  # finished inline; ``done`` is only set under the lock
-            return self._result(ops)
-        deadline = Deadline(self._timeout(timeout))
-        mu = self._mu
-        with mu:
-            while self._driving and not _all_done(ops):
-                if deadline.expired():
-                    self._expire(ops, deadline.timeout)
-                self._sleepers += 1
-                try:
-                    self._cv.wait(deadline.remaining())
-                finally:
-                    self._sleepers -= 1
-            if _all_done(ops):
-                return self._result(ops)
-            self._driving, idle = True, 0  # idle: consecutive rounds without progress
-            try:
-                while True:
-                    if self._progress():
-                        idle = 0
-                        if self._sleepers:
-                            self._cv.notify_all()
-                    else:
-                        idle += 1
-                    if _all_done(ops):
-                        break
-                    if deadline.expired():
-                        self._expire(ops, deadline.timeout)
-                    self._before_idle()
-                    mu.release()
-                    try:
-                        self._idle(idle, deadline)
-                    finally:
-                        mu.acquire()
-            finally:
-                self._driving = False
-                if self._sleepers:
-                    self._cv.notify_all()
-        return self._result(ops)
-
-    @staticmethod
-    def _result(ops: tuple[Op, ...]) -> int:
-        for op in ops:
-            if op.error is not None:
-                raise op.error
-        return ops[0].total
-
-    def _test(self, op: Op) -> bool:
-        with self._mu:
-            if not op.done and not self._driving and self._progress() and self._sleepers:
-                self._cv.notify_all()
-            return op.done
-
-    def _progress(self) -> bool:
-        """Move bytes on every busy link without blocking; True if an op finished."""
-        done = False
-        for link in list(self._busy):
-            if link.sendq:
-                done |= self._push(link)
-            if link.recvq:
-                done |= self._pull(link)
-            if not link.sendq and not link.recvq:
-                self._busy.pop(link, None)
-        return done
-
-    # -- headers, failures, timeouts -----------------------------------
-    def _accept_header(self, link: Link, op: Op, got: Header) -> bool:
-        """Check the header ``op`` just read; on CLOSE/ABORT/mismatch fail the link and return False."""
-        if got.kind == CLOSE:
-            self._fail(link, TransportClosed, f"peer {link.peer} closed the link")
-            return False
-        if got.kind == ABORT:
-            why = ABORT_REASONS.get(got.tag, ABORT_REASONS[ABORT_ERROR])
-            self._fail(link, TransportBroken, f"peer {link.peer} dropped the link after {why} on its side")
-            return False
-        if (got.kind == DATA and got.seq == op.seq and got.tag >= LENIENT_TAG and op.tag >= LENIENT_TAG
-                and (got.tag != op.tag or got.length != op.total)):
-            # A lenient receive met another collective's frame (or an alarm): take
-            # the frame in whole, so the stream stays in step, and fail the op with
-            # it when it completes (see _finish_recv).
-            op.stray = (op.tag, op.total, op.view)
-            op.tag, op.total, op.view = got.tag, got.length, memoryview(bytearray(got.length))
-            return True
-        try:
-            check_header(got, seq=op.seq, tag=op.tag, length=op.total, rank=self.rank, peer=link.peer, transport=self.name)
-        except CollectiveMismatch as e:
-            # The stream is out of step: the op learns exactly why, then the link
-            # is dropped with an ABORT so the peer fails fast instead of hanging.
-            link.recvq.remove(op)
-            op.error, op.done = e, True
-            self._fail(link, TransportBroken, f"link dropped after a mismatch ({e})", e, ABORT_MISMATCH)
-            return False
-        return True
-
-    def _finish_recv(self, link: Link, op: Op) -> None:
-        """A receive has all its bytes (lock held; ``op`` already left the queue)."""
-        link.recv_seq += 1
-        op.done = True
-        if op.stray is not None:
-            tag, total, _ = op.stray
-            op.error = lenient_mismatch(self.rank, link.peer, op.seq, tag, total, op.tag, bytes(op.view), self.name)
-
-    def _fail(self, link: Link, cls: type, reason: str, cause: BaseException | None = None, abort: int | None = None) -> None:
-        """Make a link unusable: every pending and future op on it raises ``cls``."""
-        if link.failure is not None:
-            return
-        link.failure = (cls, reason)
-        self._on_fail(link, abort)
-        for op in (*link.sendq, *link.recvq):
-            err = cls(f"rank {self.rank}: {op.describe()}: {reason}", rank=self.rank, peer=link.peer)
-            err.__cause__ = cause
-            op.error, op.done = err, True
-        link.sendq.clear()
-        link.recvq.clear()
-        self._busy.pop(link, None)
-
-    def _abandon(self, op: Op) -> bool:
-        with self._mu:
-            if not op.done and op.off == 0:
-                (op.link.sendq if op.is_send else op.link.recvq).remove(op)
-                op.done = True
-            return op.done
-
-    def _expire(self, ops: tuple[Op, ...], timeout: float | None) -> None:
-        """With the lock held after the deadline: cancel what is unfinished and raise."""
-        first: CollectiveTimeout | None = None
-        for op in ops:
-            if op.done:
-                continue
-            err = self._timeout_error(op.describe(with_peer=False), op.link.peer, timeout, op.total)
-            if op.off:  # bytes already moved: the stream can no longer be trusted
-                reason = f"link abandoned mid-message after a timeout in {op.describe()}"
-                self._fail(op.link, TransportBroken, reason, err, ABORT_TIMEOUT)
-            else:
-                (op.link.sendq if op.is_send else op.link.recvq).remove(op)
-            op.error, op.done = err, True
-            first = first or err
-        if first is not None:
-            raise first
-
-    def _close_links(self, goodbye: Any) -> None:
-        """Common part of ``close``: ``goodbye(link)`` for healthy links, then fail them all."""
-        with self._mu:
-            if self.closed:
-                return
-            self.closed = True
-            for link in self._links:
-                if link is not None:
-                    if link.failure is None:
-                        goodbye(link)
-                    self._fail(link, TransportClosed, "the transport was closed locally")
-            self._wake_driver()
-            self._cv.notify_all()
-            self._sleepers += 1  # let a driver in another thread finish before the medium goes away
-            try:
-                self._cv.wait_for(lambda: not self._driving, timeout=5.0)
-            finally:
-                self._sleepers -= 1

@@ -40,10 +40,11 @@ from typing import Any
 
 import numpy as np
 
-from ..errors import CollectiveMismatch, TransportClosed, UsageError
+from .._util import Deadline
+from ..errors import TransportClosed, UsageError
 from ..store import Store
-from .base import Deadline, Request, Transport, as_bytes_view, as_writable_view
-from .frame import LENIENT_TAG, lenient_mismatch
+from . import frame as fr
+from .base import Request, Transport, as_bytes_view, as_writable_view
 
 __all__ = ["InprocTransport", "InprocWorld", "create_world", "create"]
 
@@ -184,23 +185,18 @@ class InprocTransport(Transport):
         pair = req._pair
         expect_seq = pair.recv_seq
         pair.recv_seq += 1
-        n = len(data)
-        if tag != req.tag or n != len(req.out) or seq != expect_seq:
-            if seq == expect_seq and tag >= LENIENT_TAG and req.tag >= LENIENT_TAG:
-                req._finish(lenient_mismatch(req._owner.rank, src, seq, req.tag, len(req.out), tag, bytes(data),
-                                             "inproc"))
-                return
-            req._finish(
-                CollectiveMismatch(
-                    f"rank {req._owner.rank}: recv from peer {src} expected seq {expect_seq} tag {req.tag} "
-                    f"({len(req.out)} bytes), but peer {src} sent seq {seq} tag {tag} ({n} bytes) "
-                    "(inproc transport; the ranks are running different collectives)"
-                )
-            )
-            return
-        if n:
-            _copy_into(req.out, data)
-        req._finish(None, n)
+        n, length = len(data), len(req.out)
+        got = fr.Header(fr.DATA, tag, seq, n)
+        verdict = fr.classify(got, seq=expect_seq, tag=req.tag, length=length)
+        if verdict is fr.EXPECTED:
+            if n:
+                _copy_into(req.out, data)
+            req._finish(None, n)
+        elif verdict is fr.STRAY:
+            req._finish(fr.lenient_mismatch(self.rank, src, seq, req.tag, length, tag, bytes(data), self.name))
+        else:
+            req._finish(fr.mismatch_error(got, seq=expect_seq, tag=req.tag, length=length, rank=self.rank, peer=src,
+                                          transport=self.name))
 
     def isend(self, peer: int, buf: Any, tag: int = 0) -> Request:
         """Copy ``buf`` towards ``peer``; the returned request is already complete."""

@@ -23,9 +23,10 @@ import time
 from collections import deque
 from typing import Any
 
+from .._util import Deadline
 from ..errors import BackendUnavailable, CollectiveMismatch, TransportBroken, TransportClosed, UsageError
 from ..store import Store
-from .base import Deadline, Request, Transport, as_bytes_view, as_writable_view
+from .base import QueuedRequest, Request, Transport, as_bytes_view, as_writable_view
 
 __all__ = ["MpiTransport", "create"]
 
@@ -44,7 +45,7 @@ def _import_mpi() -> Any:
     return MPI
 
 
-class _Op(Request):
+class _Op(QueuedRequest):
     """An ``isend``/``irecv`` in flight; ``req`` is the MPI request once one exists."""
 
     __slots__ = ("_t", "peer", "view", "tag", "is_send", "seq", "req", "done", "error")
@@ -58,12 +59,6 @@ class _Op(Request):
     def describe(self) -> str:
         where = f"send to peer {self.peer}" if self.is_send else f"recv from peer {self.peer}"
         return f"{where} (seq {self.seq}, tag {self.tag}, {len(self.view)} bytes)"
-
-    def wait(self, timeout: float | None = None) -> int:
-        return self._t._wait((self,), timeout)
-
-    def test(self) -> bool:
-        return self._t._test(self)
 
 
 class MpiTransport(Transport):
@@ -195,6 +190,14 @@ class MpiTransport(Transport):
     def _test(self, op: _Op) -> bool:
         with self._lock:
             self._progress()
+            return op.done
+
+    def _cancel(self, op: _Op) -> bool:
+        """Withdraw a receive that has not matched a message yet; a send is MPI's from ``Isend`` on."""
+        with self._lock:
+            if not op.done and not op.is_send and op.req is None:
+                self._recvq[op.peer].remove(op)  # nothing matched yet: the next receive gets the next message
+                op.view, op.done = op.view[:0], True  # it moved nothing: wait() returns 0
             return op.done
 
     def _expire(self, ops: tuple[_Op, ...], timeout: float | None) -> None:

@@ -1,10 +1,11 @@
 """TCP transport: one socket per pair of ranks, driven by the caller's thread.
 
-Bootstrap (``create``): every rank that has higher peers listens and
-publishes ``host port token`` in the store; every rank dials each lower rank,
-so each pair gets exactly one connection. A 32-byte handshake (magic,
-version, rank, world size, the listener's random token) refuses strangers,
-stale addresses and duplicate links.
+Bootstrap (``create``, through ``gradcoll.transport.tcp_connect``): every
+rank that has higher peers listens and publishes ``host port token`` in the
+store; every rank dials each lower rank, so each pair gets exactly one
+connection. A 32-byte handshake (magic, version, rank, world size, the
+listener's random token) refuses strangers, stale addresses and duplicate
+links.
 
 Data path: sockets are non-blocking with TCP_NODELAY and large buffers.
 ``isend`` writes header + payload inline with one ``sendmsg`` when the socket
@@ -17,35 +18,32 @@ deadlock. Receives land directly in the caller's buffer (``recvmsg_into`` /
 ``recv_into``, no staging copy).
 
 Queues, ordering, timeouts and the one-driver-at-a-time waiting live in
-``FramedTransport``; a socketpair wakes the
-driver when another thread queues work. Frame format: ``docs/wire.md``.
+``FramedTransport`` (``gradcoll.transport._engine``); a socketpair wakes the
+driver when another thread queues work. Frame codec:
+``gradcoll.transport.frame``; format: ``docs/wire.md``.
 """
 
 from __future__ import annotations
 
-import logging
-import secrets
 import select
 import socket
 import time
 from typing import cast
 
-from ..errors import CollectiveTimeout, ProtocolError, TransportBroken, TransportClosed, UsageError
+from .._util import Deadline
+from ..errors import ProtocolError, TransportBroken, TransportClosed
 from ..store import Store
 from . import frame as fr
-from .base import Deadline
+from ._engine import FramedTransport, Link, Op
+from .tcp_connect import SOCKBUF, connect
 
-__all__ = ["TcpTransport", "create"]
+__all__ = ["TcpTransport", "create", "SOCKBUF", "SPIN_S"]
 
-log = logging.getLogger(__name__)
-
-SOCKBUF = 4 << 20
-HANDSHAKE_TIMEOUT = 5.0
 SPIN_S = 50e-6  # busy-poll this long before blocking in poll()
 _HDR = fr.HEADER_SIZE
 
 
-class _SockLink(fr.Link):
+class _SockLink(Link):
     """A link over one connected, non-blocking socket."""
 
     def __init__(self, peer: int, sock: socket.socket) -> None:
@@ -55,7 +53,7 @@ class _SockLink(fr.Link):
         self.stash = b""  # bytes read past a stray frame (see _redirect), served before the socket
 
 
-def _redirect(link: _SockLink, op: fr.Op) -> None:
+def _redirect(link: _SockLink, op: Op) -> None:
     """Move the payload bytes a scatter read put in the old buffer to the stray frame's own.
 
     Bytes beyond the stray frame belong to the frames after it: they go to
@@ -83,7 +81,7 @@ def _read_stash(link: _SockLink, bufs: list[memoryview]) -> int:
     return n
 
 
-class TcpTransport(fr.FramedTransport):
+class TcpTransport(FramedTransport):
     """Point-to-point transport over one TCP connection per peer (see the module docstring)."""
 
     name = "tcp"
@@ -282,120 +280,11 @@ def create(
 
     Every rank with higher peers listens on ``host`` (an ephemeral port) and
     publishes its address under ``{key_prefix}/{rank}``; each rank then dials
-    every lower rank and accepts every higher one. Use a fresh
+    every lower rank and accepts every higher one
+    (``gradcoll.transport.tcp_connect``). Use a fresh
     [`PrefixStore`][gradcoll.store.PrefixStore] per group so stale addresses of an
     earlier group are never read. ``timeout`` bounds the whole bootstrap and
     becomes the transport's default timeout.
     """
-    if size < 1 or not 0 <= rank < size:
-        raise UsageError(f"rank {rank} out of range for world size {size}")
-    deadline = Deadline(timeout)
-    socks: dict[int, socket.socket] = {}
-    listener = None
-    try:
-        if rank < size - 1:
-            listener = socket.socket(_family(host), socket.SOCK_STREAM)
-            _tune(listener, sockbuf)  # accepted sockets inherit the buffer sizes
-            listener.bind((host, 0))
-            listener.listen(size)
-            token = secrets.token_bytes(16)
-            port = listener.getsockname()[1]
-            store.set(f"{key_prefix}/{rank}", f"{host} {port} {token.hex()}".encode())
-        for peer in range(rank):
-            socks[peer] = _dial(store, f"{key_prefix}/{peer}", rank, size, peer, deadline, sockbuf)
-        if listener is not None:
-            socks.update(_accept_all(listener, token, rank, size, deadline))
-    except BaseException:
-        for s in socks.values():
-            s.close()
-        raise
-    finally:
-        if listener is not None:
-            listener.close()
-    for s in socks.values():
-        s.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+    socks = connect(store, rank, size, Deadline(timeout), host=host, sockbuf=sockbuf, key_prefix=key_prefix)
     return TcpTransport(rank, size, socks, timeout=timeout)
-
-
-def _family(host: str) -> socket.AddressFamily:
-    return socket.AF_INET6 if ":" in host else socket.AF_INET
-
-
-def _tune(sock: socket.socket, sockbuf: int) -> None:
-    if sockbuf:
-        sock.setsockopt(socket.SOL_SOCKET, socket.SO_SNDBUF, sockbuf)
-        sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, sockbuf)
-
-
-def _recv_exact(sock: socket.socket, n: int) -> bytes:
-    buf = bytearray()
-    while len(buf) < n:
-        chunk = sock.recv(n - len(buf))
-        if not chunk:
-            raise ProtocolError(f"connection closed during the handshake after {len(buf)} of {n} bytes")
-        buf += chunk
-    return bytes(buf)
-
-
-def _dial(store: Store, key: str, rank: int, size: int, peer: int, deadline: Deadline, sockbuf: int) -> socket.socket:
-    """Connect to ``peer``'s listener and complete the handshake, retrying until the deadline."""
-    delay, last = 0.005, None
-    while True:
-        left = deadline.remaining()
-        host, port, token_hex = store.get(key, left).decode().split()
-        sock = socket.socket(_family(host), socket.SOCK_STREAM)
-        try:
-            _tune(sock, sockbuf)
-            sock.settimeout(min(HANDSHAKE_TIMEOUT, left) if left is not None else HANDSHAKE_TIMEOUT)
-            sock.connect((host, int(port)))
-            token = bytes.fromhex(token_hex)
-            sock.sendall(fr.pack_hello(fr.HELLO, rank, size, token))
-            ack = fr.unpack_hello(_recv_exact(sock, fr.HELLO_SIZE))
-            if ack.kind != fr.ACK or ack.rank != peer or ack.size != size or ack.token != token:
-                raise ProtocolError(f"unexpected handshake answer {ack}")
-            sock.settimeout(None)
-            return sock
-        except (OSError, ProtocolError) as e:  # refused, stale address, stranger: retry
-            sock.close()
-            last = e
-        if deadline.expired():
-            raise CollectiveTimeout(
-                f"rank {rank}: could not connect to peer {peer} at {host}:{port} within "
-                f"{deadline.timeout}s (tcp transport; last error: {last})",
-                rank=rank, missing=[peer], op="tcp connect",
-            )
-        time.sleep(min(delay, deadline.remaining() or delay))  # back off between connect attempts
-        delay = min(delay * 2, 0.2)
-
-
-def _accept_all(
-    listener: socket.socket, token: bytes, rank: int, size: int, deadline: Deadline
-) -> dict[int, socket.socket]:
-    """Accept one authenticated connection from every higher rank; refuse anything else."""
-    pending, socks = set(range(rank + 1, size)), {}
-    while pending:
-        left = deadline.remaining()
-        if left == 0:
-            raise CollectiveTimeout(
-                f"rank {rank}: peers {sorted(pending)} did not connect within {deadline.timeout}s (tcp transport)",
-                rank=rank, missing=sorted(pending), op="tcp accept",
-            )
-        listener.settimeout(left)
-        try:
-            conn, addr = listener.accept()
-        except TimeoutError:
-            continue
-        try:
-            conn.settimeout(min(HANDSHAKE_TIMEOUT, left) if left is not None else HANDSHAKE_TIMEOUT)
-            hello = fr.unpack_hello(_recv_exact(conn, fr.HELLO_SIZE))
-            if hello.kind != fr.HELLO or hello.token != token or hello.size != size or hello.rank not in pending:
-                raise ProtocolError(f"unexpected handshake {hello} (expecting one of ranks {sorted(pending)})")
-            conn.sendall(fr.pack_hello(fr.ACK, rank, size, token))
-            conn.settimeout(None)
-        except (OSError, ProtocolError) as e:
-            log.warning("rank %d: refused a connection from %s: %s", rank, addr, e)
-            conn.close()
-            continue
-        pending.discard(hello.rank)
-        socks[hello.rank] = conn
-    return socks

@@ -13,7 +13,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from gradcoll.errors import ProtocolError
+from gradcoll.errors import CollectiveMismatch, ProtocolError
 from gradcoll.transport import frame as fr
 
 pytestmark = pytest.mark.timeout(900)
@@ -48,6 +48,39 @@ def test_transport_header(data: bytes) -> None:
     assert h.kind in (fr.DATA, fr.CLOSE, fr.ABORT)
     packed = fr.pack_header(h.seq, h.tag, h.length, h.kind)
     assert packed[:1] + packed[4:] == data[:1] + data[4:]  # bytes 1-3 are padding
+
+
+_TAGS = st.sampled_from([0, 7, fr.LENIENT_TAG - 1, fr.LENIENT_TAG, fr.LENIENT_TAG + 1, fr.MAX_TAG])
+
+
+_HEADERS = st.one_of(
+    st.binary(min_size=fr.HEADER.size, max_size=fr.HEADER.size),
+    st.builds(fr.pack_header, st.integers(0, 3), _TAGS, st.integers(0, 3), st.integers(0, 4)),  # near misses
+)
+
+
+@FUZZ
+@given(_HEADERS, st.integers(0, 3), _TAGS, st.integers(0, 3))
+def test_what_a_receive_makes_of_any_header(data: bytes, seq: int, tag: int, length: int) -> None:
+    """``classify`` of every decodable header: one verdict, the one the frame's kind, sequence and tags call for."""
+    try:
+        got = fr.unpack_header(data)
+    except ProtocolError:
+        return
+    verdict = fr.classify(got, seq=seq, tag=tag, length=length)
+    try:
+        fr.check_header(got, seq=seq, tag=tag, length=length, rank=0, peer=1, transport="fuzz")
+        matches = True
+    except CollectiveMismatch as exc:
+        matches = False
+        assert f"expected seq {seq} tag {tag} ({length} bytes)" in str(exc)
+    assert (verdict == fr.EXPECTED) == matches
+    if got.kind != fr.DATA:
+        assert verdict == (fr.CLOSED if got.kind == fr.CLOSE else fr.ABORTED)
+    elif verdict == fr.STRAY:
+        assert got.seq == seq and min(got.tag, tag) >= fr.LENIENT_TAG and (got.tag, got.length) != (tag, length)
+    elif not matches:
+        assert verdict == fr.MISMATCH
 
 
 @FUZZ
@@ -114,23 +147,21 @@ def test_arrow_gradients() -> None:
 
 # -- rendezvous store requests ---------------------------------------------------------
 def test_store_requests() -> None:
-    from gradcoll import store as st_mod
+    from gradcoll.store import _server
 
-    srv = object.__new__(st_mod._StoreServer)  # the request handler alone, no sockets
-    import threading
+    kv = _server.KeyValue()  # the request handler alone, no sockets
+    kv.data, kv.closing = {"k": b"1"}, True  # closing: a GET never waits
 
-    srv.data, srv.cond, srv.closing = {"k": b"1"}, threading.Condition(), True  # closing: a GET never waits
-
-    valid = bytes([st_mod._SET]) + st_mod._blob(b"key") + st_mod._blob(b"value")
+    valid = bytes([_server.SET]) + _server.blob(b"key") + _server.blob(b"value")
 
     @FUZZ
     @given(mutations(valid))
     def run(payload: bytes) -> None:
         try:
-            reply = srv._handle(st_mod._Reader(payload))
+            reply = kv.handle(payload)
         except ProtocolError:
             return
         assert isinstance(reply, bytes) and reply
-        assert len(srv.data) < 10_000
+        assert len(kv.data) < 10_000
 
     run()

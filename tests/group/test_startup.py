@@ -101,7 +101,7 @@ def test_port_in_use_names_the_address_and_the_remedy() -> None:
 @pytest.fixture(params=["http", "close", "silent"])
 def stranger(request: pytest.FixtureRequest, monkeypatch: pytest.MonkeyPatch) -> Iterator[int]:
     """A program on the rendezvous port that is not a gradcoll store."""
-    monkeypatch.setattr("gradcoll.store.GREETING_TIMEOUT", 0.5)
+    monkeypatch.setattr("gradcoll.store.tcp.GREETING_TIMEOUT", 0.5)
     srv = socket.create_server(("127.0.0.1", 0))
     conns: list[socket.socket] = []
 

@@ -12,7 +12,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from gradcoll.errors import CollectiveTimeout, GradcollError, TransportBroken, UsageError
-from gradcoll.store import FileStore, PrefixStore, TCPStore
+from gradcoll.store import FileStore, PrefixStore, Store, TCPStore
 
 
 @pytest.fixture
@@ -41,14 +41,19 @@ def test_set_get_add_check_delete(master: TCPStore) -> None:
         c.close()
 
 
-def test_get_waits_for_a_set_from_another_thread(master: TCPStore) -> None:
-    c = client(master)
+def _set_wakes_a_waiting_get(waiter: Store, setter: Store) -> None:
+    """A get blocked in one thread returns the value once another handle of the store sets it."""
     got: list[bytes] = []
-    t = threading.Thread(target=lambda: got.append(c.get("later", timeout=5)))
+    t = threading.Thread(target=lambda: got.append(waiter.get("later", timeout=5)))
     t.start()
-    master.set("later", b"now")
+    setter.set("later", b"now")
     t.join(10)
     assert got == [b"now"]
+
+
+def test_get_waits_for_a_set_from_another_thread(master: TCPStore) -> None:
+    c = client(master)
+    _set_wakes_a_waiting_get(c, master)
     c.wait(["later"], timeout=1)
     c.close()
 
@@ -201,12 +206,7 @@ def test_filestore_shared_between_instances(tmp_path: Path) -> None:
 def test_filestore_waits_for_another_thread(tmp_path: Path) -> None:
     path = str(tmp_path / "s")
     a, b = FileStore(path, timeout=5), FileStore(path, timeout=5)
-    got: list[bytes] = []
-    t = threading.Thread(target=lambda: got.append(a.get("late", timeout=5)))
-    t.start()
-    b.set("late", b"here")
-    t.join(10)
-    assert got == [b"here"]
+    _set_wakes_a_waiting_get(a, b)
     threads = [threading.Thread(target=lambda s=s: [s.add("c", 1) for _ in range(25)]) for s in (a, b)]
     for th in threads:
         th.start()

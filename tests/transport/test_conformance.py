@@ -3,7 +3,8 @@
 Ranks are threads of this process for the behavioural checks; the dead-peer
 checks kill a real peer process. ``shm`` runs with a 64 KiB ring so that
 large messages stream through many wrap-arounds. MPI runs the same checks
-under ``mpirun`` (one rank per process) when Open MPI and mpi4py are here.
+under ``mpirun`` (one rank per process) when Open MPI and mpi4py are here
+(``test_mpi.py``).
 """
 
 from __future__ import annotations
@@ -14,7 +15,6 @@ import pytest
 
 from gradcoll import testing
 from gradcoll.transport import shm, tcp
-from tests.helpers import mpi_skip_reason, run_mpi
 
 SHM_OPTIONS = {"ring_bytes": 1 << 16}
 
@@ -49,16 +49,3 @@ def test_check(transport: str, check: str) -> None:
 @pytest.mark.parametrize("transport, create, options", [("tcp", tcp.create, {}), ("shm", shm.create, SHM_OPTIONS)])
 def test_dead_peer(transport: str, create, options: dict, check: str) -> None:
     testing.run_check(check, create=create, options=options, large=8 << 20)
-
-
-@pytest.mark.mpi
-def test_mpi_conformance() -> None:
-    reason = mpi_skip_reason()
-    if reason:
-        pytest.skip(reason)
-    proc = run_mpi("conformance", n=2, timeout=90)
-    assert proc.returncode == 0, proc.stdout + proc.stderr
-    lines = [ln for ln in proc.stdout.splitlines() if " OK " in ln]
-    assert len(lines) == 2, proc.stdout + proc.stderr
-    ran = lines[0].split(": ", 1)[1].split()
-    assert {"ordering_and_tags", "sendrecv_duplex", "tag_mismatch", "timeouts", "peer_closes"} <= set(ran)

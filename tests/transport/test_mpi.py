@@ -1,8 +1,9 @@
 """MPI transport: the optional dependency is reported clearly; MPI-only behaviour runs under mpirun.
 
-The shared conformance checks run under ``mpirun`` from
-``test_conformance.py``; here: the missing-mpi4py message, tag range,
-rank/communicator agreement and 64 MiB full-duplex exchange on 2 ranks.
+The shared conformance checks (``gradcoll.testing.run_spmd``) and the
+MPI-only ones (tag range, rank/communicator agreement, 64 MiB full-duplex
+exchange) run on 2 ranks under ``mpirun``; without MPI, the missing-mpi4py
+message.
 """
 
 from __future__ import annotations
@@ -27,14 +28,30 @@ def test_import_is_lazy() -> None:
     assert "MPI" not in vars(mpi)  # importing gradcoll.transport.mpi never initialises MPI
 
 
-@pytest.mark.mpi
-def test_mpi_specifics_on_two_ranks() -> None:
+def _mpirun(scenario: str) -> str:
+    """Run ``scenario`` of tests/helpers.py on 2 MPI ranks (skip without MPI); return its output."""
     reason = mpi_skip_reason()
     if reason:
         pytest.skip(reason)
-    proc = run_mpi("specifics", n=2, timeout=90)
+    proc = run_mpi(scenario, n=2, timeout=90)
     assert proc.returncode == 0, proc.stdout + proc.stderr
-    assert sorted(ln for ln in proc.stdout.splitlines() if "OK" in ln) == ["rank 0 OK specifics", "rank 1 OK specifics"]
+    return proc.stdout
+
+
+@pytest.mark.mpi
+def test_mpi_specifics_on_two_ranks() -> None:
+    out = _mpirun("specifics")
+    assert sorted(ln for ln in out.splitlines() if "OK" in ln) == ["rank 0 OK specifics", "rank 1 OK specifics"]
+
+
+@pytest.mark.mpi
+def test_mpi_conformance() -> None:
+    out = _mpirun("conformance")
+    lines = [ln for ln in out.splitlines() if " OK " in ln]
+    assert len(lines) == 2, out
+    ran = lines[0].split(": ", 1)[1].split()
+    assert {"ordering_and_tags", "sendrecv_duplex", "tag_mismatch", "timeouts", "peer_closes",
+            "cancel_unstarted_recv", "cancel_finished", "note_wait"} <= set(ran)
 
 
 def test_skip_message_names_the_install() -> None:

@@ -110,6 +110,42 @@ def test_frames_on_the_wire(raw) -> None:
     assert t.recv(1, out, tag=9) == 4 and out == b"wxyz"
 
 
+class _FullSocket:
+    """The transport's socket, with its send buffer full (not a byte accepted) until ``full`` is cleared."""
+
+    def __init__(self, sock: socket.socket) -> None:
+        self.sock, self.full = sock, True
+
+    def sendmsg(self, *args):
+        if self.full:
+            raise BlockingIOError
+        return self.sock.sendmsg(*args)
+
+    def send(self, *args):
+        if self.full:
+            raise BlockingIOError
+        return self.sock.send(*args)
+
+    def __getattr__(self, name: str):
+        return getattr(self.sock, name)
+
+
+@pytest.mark.parametrize("withdraw", ["cancel", "timeout"])
+def test_a_send_withdrawn_before_its_first_byte_gives_its_seq_back(raw, withdraw: str) -> None:
+    t, peer = raw
+    link = t._links[1]
+    link.sock = full = _FullSocket(link.sock)
+    req = t.isend(1, b"never", tag=5)  # numbered seq 0 at the head of the queue, not a byte written
+    if withdraw == "cancel":
+        assert req.cancel() and req.test() and req.wait(1) == 0
+    else:
+        with pytest.raises(CollectiveTimeout, match="peer 1"):
+            req.wait(0.2)
+    full.full = False
+    t.send(1, b"abc", tag=7)
+    assert peer.recv(64) == fr.pack_header(0, 7, 3) + b"abc"  # seq 0 again: the stream has no gap
+
+
 @pytest.mark.parametrize(
     "wire, error, words",
     [

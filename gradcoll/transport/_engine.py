@@ -1,0 +1,331 @@
+"""The queue engine of the byte-stream transports (``tcp``, ``shm``); private.
+
+``FramedTransport`` is the part both transports share and that still touches
+no socket or segment: per-peer send/receive queues, sequence numbers, the
+one-driver-at-a-time wait loop, timeouts, withdrawal and sticky link
+failures. Subclasses supply ``_push``/``_pull`` (move bytes without
+blocking) and ``_idle`` (wait until bytes may move). What a frame means is
+the codec's business (``gradcoll.transport.frame``).
+"""
+
+from __future__ import annotations
+
+import threading
+from collections import deque
+from collections.abc import Iterable
+from typing import Any
+
+from .._util import Deadline
+from ..errors import CollectiveTimeout, TransportBroken, TransportClosed
+from . import frame as fr
+from .base import QueuedRequest, Request, Transport, as_bytes_view, as_writable_view
+
+__all__ = ["Op", "Link", "FramedTransport"]
+
+
+class Op(QueuedRequest):
+    """One queued send or receive; ``off`` counts bytes moved, header included."""
+
+    __slots__ = ("_t", "link", "is_send", "view", "tag", "total", "off", "hdr", "seq", "done", "error", "stray")
+
+    def __init__(self, t: "FramedTransport", link: "Link", is_send: bool, view: memoryview, tag: int) -> None:
+        self._t, self.link, self.is_send, self.view, self.tag = t, link, is_send, view, tag
+        self.total = len(view)
+        self.off = 0
+        self.hdr: Any = None
+        self.seq = -1
+        self.done = False
+        self.error: BaseException | None = None
+        self.stray: Any = None  # (tag, expected length) once a lenient receive is redirected to a stray frame
+
+    def describe(self, with_peer: bool = True) -> str:
+        """E.g. ``recv from peer 2 (seq 7, tag 0, 4096 bytes)``."""
+        where = ("send", "to") if self.is_send else ("recv", "from")
+        seq = f"seq {self.seq}, " if self.seq >= 0 else ""
+        peer = f" {where[1]} peer {self.link.peer}" if with_peer else ""
+        return f"{where[0]}{peer} ({seq}tag {self.tag}, {self.total} bytes)"
+
+
+def _all_done(ops: tuple[Op, ...]) -> bool:
+    for op in ops:
+        if not op.done:
+            return False
+    return True
+
+
+class Link:
+    """Per-peer queues and sequence numbers; subclasses add the medium (socket, ring)."""
+
+    def __init__(self, peer: int) -> None:
+        self.peer = peer
+        self.sendq: deque[Op] = deque()
+        self.recvq: deque[Op] = deque()
+        self.send_seq = self.recv_seq = 0
+        self.failure: tuple[type, str] | None = None  # sticky (exception class, reason)
+
+
+class FramedTransport(Transport):
+    """Queues, ordering, waiting, timeouts and failures shared by ``tcp`` and ``shm``."""
+
+    def __init__(self, rank: int, size: int, links: dict[int, Link], timeout: float) -> None:
+        super().__init__(rank, size, timeout)
+        self._links: list[Link | None] = [None] * size
+        for peer, link in links.items():
+            self._links[peer] = link
+        self._mu = threading.Lock()
+        self._cv = threading.Condition(self._mu)
+        self._driving = False
+        self._sleepers = 0  # threads waiting on the condition while another drives
+        self._busy: dict[Link, None] = {}  # links with queued work, in insertion order
+
+    #: Try to read at ``irecv`` time (cheap for memory rings, a wasted syscall for sockets).
+    _eager_pull = False
+    #: Receives with tags >= LENIENT_TAG survive a mismatch (see FrameMismatch).
+    lenient_tags = True
+
+    # -- hooks ---------------------------------------------------------
+    def _push(self, link: Any) -> bool:  # pragma: no cover - abstract
+        """Move queued send bytes without blocking; True if an op finished (lock held)."""
+        raise NotImplementedError
+
+    def _pull(self, link: Any) -> bool:  # pragma: no cover - abstract
+        """Move received bytes without blocking; True if an op finished (lock held)."""
+        raise NotImplementedError
+
+    def _idle(self, rounds: int, deadline: Deadline) -> None:  # pragma: no cover - abstract
+        """Wait (lock not held) until bytes may move or the deadline passes; ``rounds`` without progress so far."""
+        raise NotImplementedError
+
+    def _before_idle(self) -> None:
+        """Prepare the next ``_idle`` (lock held)."""
+
+    def _wake_driver(self) -> None:
+        """Another thread queued work while a driver may be idling."""
+
+    def _on_fail(self, link: Any, abort: int | None) -> None:
+        """The link just failed: tell the peer (``ABORT_*`` code) and stop the medium."""
+
+    # -- starting operations -------------------------------------------
+    def _start(self, peer: int, view: memoryview, tag: int, is_send: bool) -> Op:
+        if type(peer) is not int or not 0 <= peer < self.size or peer == self.rank:
+            self._check_peer(peer)  # raises the UsageError (or accepts an int subclass)
+        if type(tag) is not int or not 0 <= tag <= fr.MAX_TAG:
+            fr.check_tag(tag)
+        link = self._links[peer]
+        assert link is not None
+        op = Op(self, link, is_send, view, tag)
+        with self._mu:
+            if link.failure is not None:
+                cls, reason = link.failure
+                raise cls(f"rank {self.rank}: {op.describe()}: {reason}", rank=self.rank, peer=peer)
+            (link.sendq if is_send else link.recvq).append(op)
+            self._busy[link] = None
+            if is_send:
+                if len(link.sendq) == 1:
+                    self._push(link)  # inline: a small message completes right here
+            elif self._eager_pull and len(link.recvq) == 1:
+                self._pull(link)
+            if not op.done and self._driving:
+                self._wake_driver()
+        return op
+
+    def isend(self, peer: int, buf: Any, tag: int = 0) -> Request:
+        """Start sending ``buf`` to ``peer`` (written inline when there is room)."""
+        return self._start(peer, as_bytes_view(buf), tag, True)
+
+    def irecv(self, peer: int, out: Any, tag: int = 0) -> Request:
+        """Start receiving exactly ``len(out)`` bytes with ``tag`` from ``peer`` into ``out``."""
+        return self._start(peer, as_writable_view(out), tag, False)
+
+    def send(self, peer: int, buf: Any, tag: int = 0, timeout: float | None = None) -> None:
+        """Blocking send; returns when ``buf`` may be reused."""
+        self._wait((self._start(peer, as_bytes_view(buf), tag, True),), timeout)
+
+    def recv(self, peer: int, out: Any, tag: int = 0, timeout: float | None = None) -> int:
+        """Blocking receive into ``out``; returns the number of bytes received."""
+        return self._wait((self._start(peer, as_writable_view(out), tag, False),), timeout)
+
+    def sendrecv(self, dst: int, sendbuf: Any, src: int, recvbuf: Any, tag: int = 0, timeout: float | None = None) -> int:
+        """Full-duplex exchange; one loop drives both directions."""
+        rop = self._start(src, as_writable_view(recvbuf), tag, False)
+        try:
+            sop = self._start(dst, as_bytes_view(sendbuf), tag, True)
+        except BaseException:
+            self._cancel(rop)
+            raise
+        self._wait((rop, sop), timeout)
+        return rop.total
+
+    # -- waiting ---------------------------------------------------------
+    def _wait(self, ops: Iterable[Op], timeout: float | None) -> int:
+        """Wait for ``ops``: drive I/O if no other thread does, else sleep until the driver finishes them."""
+        ops = tuple(ops)
+        if _all_done(ops):  # finished inline; ``done`` is only set under the lock
+            return self._result(ops)
+        deadline = Deadline(self._timeout(timeout))
+        mu = self._mu
+        with mu:
+            while self._driving and not _all_done(ops):
+                if deadline.expired():
+                    self._expire(ops, deadline.timeout)
+                self._sleepers += 1
+                try:
+                    self._cv.wait(deadline.remaining())
+                finally:
+                    self._sleepers -= 1
+            if _all_done(ops):
+                return self._result(ops)
+            self._driving, idle = True, 0  # idle: consecutive rounds without progress
+            try:
+                while True:
+                    if self._progress():
+                        idle = 0
+                        if self._sleepers:
+                            self._cv.notify_all()
+                    else:
+                        idle += 1
+                    if _all_done(ops):
+                        break
+                    if deadline.expired():
+                        self._expire(ops, deadline.timeout)
+                    self._before_idle()
+                    mu.release()
+                    try:
+                        self._idle(idle, deadline)
+                    finally:
+                        mu.acquire()
+            finally:
+                self._driving = False
+                if self._sleepers:
+                    self._cv.notify_all()
+        return self._result(ops)
+
+    @staticmethod
+    def _result(ops: tuple[Op, ...]) -> int:
+        for op in ops:
+            if op.error is not None:
+                raise op.error
+        return ops[0].total
+
+    def _test(self, op: Op) -> bool:
+        with self._mu:
+            if not op.done and not self._driving and self._progress() and self._sleepers:
+                self._cv.notify_all()
+            return op.done
+
+    def _progress(self) -> bool:
+        """Move bytes on every busy link without blocking; True if an op finished."""
+        done = False
+        for link in list(self._busy):
+            if link.sendq:
+                done |= self._push(link)
+            if link.recvq:
+                done |= self._pull(link)
+            if not link.sendq and not link.recvq:
+                self._busy.pop(link, None)
+        return done
+
+    # -- headers, failures, timeouts -----------------------------------
+    def _accept_header(self, link: Link, op: Op, got: fr.Header) -> bool:
+        """Act on the header ``op`` just read; on CLOSE/ABORT/mismatch fail the link and return False."""
+        verdict = fr.classify(got, seq=op.seq, tag=op.tag, length=op.total)
+        if verdict is fr.EXPECTED:
+            return True
+        if verdict is fr.STRAY:
+            # A lenient receive met another collective's frame (or an alarm): take
+            # the frame in whole, so the stream stays in step, and fail the op with
+            # it when it completes (see _finish_recv).
+            op.stray = (op.tag, op.total, op.view)
+            op.tag, op.total, op.view = got.tag, got.length, memoryview(bytearray(got.length))
+            return True
+        if verdict is fr.CLOSED:
+            self._fail(link, TransportClosed, f"peer {link.peer} closed the link")
+        elif verdict is fr.ABORTED:
+            why = fr.abort_reason(got.tag)
+            self._fail(link, TransportBroken, f"peer {link.peer} dropped the link after {why} on its side")
+        else:
+            # The stream is out of step: the op learns exactly why, then the link
+            # is dropped with an ABORT so the peer fails fast instead of hanging.
+            e = fr.mismatch_error(got, seq=op.seq, tag=op.tag, length=op.total, rank=self.rank, peer=link.peer,
+                                  transport=self.name)
+            link.recvq.remove(op)
+            op.error, op.done = e, True
+            self._fail(link, TransportBroken, f"link dropped after a mismatch ({e})", e, fr.ABORT_MISMATCH)
+        return False
+
+    def _finish_recv(self, link: Link, op: Op) -> None:
+        """A receive has all its bytes (lock held; ``op`` already left the queue)."""
+        link.recv_seq += 1
+        op.done = True
+        if op.stray is not None:
+            tag, total, _ = op.stray
+            op.error = fr.lenient_mismatch(self.rank, link.peer, op.seq, tag, total, op.tag, bytes(op.view), self.name)
+
+    def _fail(self, link: Link, cls: type, reason: str, cause: BaseException | None = None, abort: int | None = None) -> None:
+        """Make a link unusable: every pending and future op on it raises ``cls``."""
+        if link.failure is not None:
+            return
+        link.failure = (cls, reason)
+        self._on_fail(link, abort)
+        for op in (*link.sendq, *link.recvq):
+            err = cls(f"rank {self.rank}: {op.describe()}: {reason}", rank=self.rank, peer=link.peer)
+            err.__cause__ = cause
+            op.error, op.done = err, True
+        link.sendq.clear()
+        link.recvq.clear()
+        self._busy.pop(link, None)
+
+    def _cancel(self, op: Op) -> bool:
+        """``Request.cancel``: withdraw ``op`` if no byte of it has moved (its ``wait`` then returns 0)."""
+        with self._mu:
+            if not op.done and op.off == 0:
+                self._withdraw(op)
+                op.total, op.done = 0, True  # it moved nothing
+            return op.done
+
+    @staticmethod
+    def _withdraw(op: Op) -> None:
+        """Take ``op``, no byte of which has moved, off its queue (lock held); the link stays in step."""
+        link = op.link
+        if op.is_send:
+            link.sendq.remove(op)
+            if op.seq >= 0:  # numbered at the head of the queue but never sent: the next send reuses it
+                link.send_seq = op.seq
+        else:
+            link.recvq.remove(op)
+
+    def _expire(self, ops: tuple[Op, ...], timeout: float | None) -> None:
+        """With the lock held after the deadline: cancel what is unfinished and raise."""
+        first: CollectiveTimeout | None = None
+        for op in ops:
+            if op.done:
+                continue
+            err = self._timeout_error(op.describe(with_peer=False), op.link.peer, timeout, op.total)
+            if op.off:  # bytes already moved: the stream can no longer be trusted
+                reason = f"link abandoned mid-message after a timeout in {op.describe()}"
+                self._fail(op.link, TransportBroken, reason, err, fr.ABORT_TIMEOUT)
+            else:
+                self._withdraw(op)
+            op.error, op.done = err, True
+            first = first or err
+        if first is not None:
+            raise first
+
+    def _close_links(self, goodbye: Any) -> None:
+        """Common part of ``close``: ``goodbye(link)`` for healthy links, then fail them all."""
+        with self._mu:
+            if self.closed:
+                return
+            self.closed = True
+            for link in self._links:
+                if link is not None:
+                    if link.failure is None:
+                        goodbye(link)
+                    self._fail(link, TransportClosed, "the transport was closed locally")
+            self._wake_driver()
+            self._cv.notify_all()
+            self._sleepers += 1  # let a driver in another thread finish before the medium goes away
+            try:
+                self._cv.wait_for(lambda: not self._driving, timeout=5.0)
+            finally:
+                self._sleepers -= 1
