@@ -30,9 +30,9 @@ from dataclasses import dataclass
 from typing import Any
 from urllib.parse import urlsplit
 
+from .._util import Deadline
 from ..errors import CollectiveTimeout, ProtocolError, UsageError, seconds
 from ..store import FileStore, PrefixStore, Store, TCPStore
-from ..transport.base import Deadline
 from .connect import connect, load_backend
 from .process_group import ProcessGroup
 
