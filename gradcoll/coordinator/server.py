@@ -28,8 +28,8 @@ from typing import Any
 import numpy as np
 
 from .. import kernels
-from ..algorithms._common import Workspace
 from ..errors import GradcollError, GroupPoisoned, NonFiniteError, TransportBroken, TransportClosed, UsageError
+from ..kernels.workspace import Workspace
 from ..transport.base import Deadline
 from ._collect import check_same_shape, gather, halt_error
 from ._conn import POLL_S
