@@ -53,23 +53,22 @@ def test_the_docstring_table_covers_every_kind_and_request() -> None:
     assert ("finite", "numba", True, True) in DOCUMENTED
 
 
-@pytest.mark.parametrize("kind", select.KINDS)
-@pytest.mark.parametrize("request_", REQUESTS)
-@pytest.mark.parametrize("size", [SMALL, LARGE])
-@pytest.mark.parametrize("half", [False, True])
-def test_every_kind_request_and_size_picks_the_documented_implementation(kind: str, request_: str | None,
-                                                                         size: int, half: bool,
-                                                                         monkeypatch: pytest.MonkeyPatch) -> None:
+def test_every_kind_request_and_size_picks_the_documented_implementation(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.delenv("GRADCOLL_KERNELS", raising=False)
-    key = (kind, request_, size > select.SMALL_ELEMS, half)
-    want = DOCUMENTED.get(key) or DOCUMENTED[(kind, request_, size > select.SMALL_ELEMS, False)]
-    assert candidates(kind, request_, size, half=half) == want
-    loadable = [n for n in want if _loads(n, kind)]
-    if not loadable:
-        with pytest.raises(gradcoll.BackendUnavailable):
-            resolve(kind, size, backend=request_, half=half)
-        return
-    assert resolve(kind, size, backend=request_, half=half) is implementation(loadable[0], kind)
+    for kind in select.KINDS:
+        for request in REQUESTS:
+            for size in (SMALL, LARGE):
+                for half in (False, True):
+                    large = size > select.SMALL_ELEMS
+                    want = DOCUMENTED.get((kind, request, large, half)) or DOCUMENTED[(kind, request, large, False)]
+                    where = (kind, request, size, half)
+                    assert candidates(kind, request, size, half=half) == want, where
+                    loadable = [n for n in want if _loads(n, kind)]
+                    if not loadable:
+                        with pytest.raises(gradcoll.BackendUnavailable):
+                            resolve(kind, size, backend=request, half=half)
+                    else:
+                        assert resolve(kind, size, backend=request, half=half) is implementation(loadable[0], kind), where
 
 
 def _loads(name: str, kind: str) -> bool:
