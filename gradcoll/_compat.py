@@ -28,7 +28,7 @@ MOVED = {
     "gradcoll.launch": "gradcoll.cli.launch",
     "gradcoll.bench": "gradcoll.cli.bench",
     "gradcoll.demo": "gradcoll.cli.demo",
-    "gradcoll.transport.sim": "gradcoll.model.sim",
+    "gradcoll.transport.sim": "gradcoll.algorithms.simulate",
     "gradcoll.algorithms.wire": "gradcoll.algorithms.low_precision",
 }
 

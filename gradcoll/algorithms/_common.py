@@ -15,6 +15,7 @@ from typing import Any
 import numpy as np
 
 from ..errors import CollectiveMismatch, CollectiveTimeout, TransportBroken, TransportClosed, UsageError
+from ..kernels.workspace import Workspace
 from ..transport.base import Deadline, Request, Transport
 from ..transport.frame import LENIENT_TAG, FrameMismatch
 
@@ -88,37 +89,6 @@ def check_op(op: str) -> str:
     if op not in OPS:
         raise UsageError(f"op must be one of {', '.join(OPS)}; got {op!r}")
     return op
-
-
-class Workspace:
-    """Scratch buffers reused across collectives (so the hot loop allocates nothing).
-
-    One per process group; not thread-safe (a group runs one collective at a time).
-    """
-
-    def __init__(self) -> None:
-        self._bufs: dict[tuple[str, np.dtype], np.ndarray] = {}
-        self._views: dict[tuple[str, Any, Any], np.ndarray] = {}  # (name, shape, dtype) as asked -> view
-
-    def get(self, name: str, shape: int | tuple[int, ...], dtype: Any) -> np.ndarray:
-        """An uninitialised array of ``shape``, backed by a buffer kept under ``name``."""
-        view = self._views.get((name, shape, dtype))
-        if view is not None:  # the common case: the same collective again
-            return view
-        dt = np.dtype(dtype)
-        dims = (shape,) if isinstance(shape, int) else tuple(shape)
-        need = 1
-        for d in dims:
-            need *= int(d)
-        buf = self._bufs.get((name, dt))
-        if buf is None or buf.size < need:
-            buf = np.empty(max(need, 1), dt)
-            self._bufs[(name, dt)] = buf
-            self._views = {k: v for k, v in self._views.items() if k[0] != name}  # views of the old buffer
-        view = buf[:need].reshape(dims)
-        if len(self._views) < 64:
-            self._views[(name, shape, dtype)] = view
-        return view
 
 
 def scratch(ws: Workspace | None, name: str, shape: int | tuple[int, ...], dtype: Any) -> np.ndarray:

@@ -45,12 +45,11 @@ is planted at the start of the owner's chunk. See docs/algorithms/deterministic.
 from __future__ import annotations
 
 import math
-from typing import Any
 
 import numpy as np
 
 from ..errors import UsageError
-from ..kernels import exact_reference
+from ..kernels import exact_reduce, exact_reference
 from ..transport.base import Transport
 from ..transport.frame import LENIENT_TAG
 from . import ALLREDUCE
@@ -63,32 +62,7 @@ __all__ = ["deterministic_allreduce", "exact_reduce", "fraction_bits"]
 
 fraction_bits = exact_reference.fraction_bits
 
-#: float64 magnitudes from which a store to the dtype gives an infinity (round half to even at the top).
-_LIMIT = {np.dtype(np.float32): 2.0**128 - 2.0**103, np.dtype(np.float64): math.inf}
-
 _RS, _AG, _UP, _DOWN, _FOLD, _ROUND, _UNFOLD = 1, 2, 3, 4, 5, 6, 7
-
-
-def exact_reduce(own: np.ndarray, rows: np.ndarray, out: np.ndarray, divisor: float, backend: str | None = None) -> int:
-    """``out = (own + sum(rows)) / divisor`` by the exact method; the first non-finite output index, or -1.
-
-    ``own`` (m,) and ``rows`` (k, m) are contiguous float32 or float64 arrays
-    of one dtype, ``out`` (m,) of the same dtype may be ``own``. The fused
-    Numba kernel, or with ``backend="numpy"`` (or without Numba) the NumPy
-    reference: the same bits either way.
-    """
-    fused = None if backend == "numpy" else _fused()
-    if fused is None:
-        return exact_reference.exact_reduce(own, rows, out, divisor)
-    tail = (float(divisor), _LIMIT[own.dtype], 1.0 / divisor if math.frexp(divisor)[0] == 0.5 else 0.0)
-    if rows.shape[0] == 1:
-        flag = fused.reduce_pair(own, rows[0], out, *tail)
-    else:
-        uint, mask, shift, _, top = exact_reference.BITS[own.dtype]
-        hi, lo, bmin = exact_reference.params(own.dtype, rows.shape[0] + 1)
-        flag = fused.reduce_rows(own, rows, own.view(uint), rows.view(uint), out, uint(mask), uint(shift), uint(top),
-                                 np.int64(hi), np.int64(lo), np.int64(bmin), *tail)
-    return int(np.flatnonzero(~np.isfinite(out))[0]) if flag else -1
 
 
 def deterministic_allreduce(transport: Transport, buf: np.ndarray, *, algorithm: str = "ring", op: str = "mean",
@@ -197,12 +171,3 @@ def _rd(coll: Coll, flat: np.ndarray, divisor: float, check: bool, ws: Workspace
         assert rows is not None
         _reduce(rows[0], rows[1:], flat, divisor, check, backend)
     rd_result(coll, flat, coll.tag0 + _UNFOLD)
-
-
-def _fused() -> Any:
-    """The Numba kernels, or None (then the NumPy reference computes the same bits in more passes)."""
-    try:
-        from ..kernels import numba_exact
-    except ImportError:
-        return None
-    return numba_exact

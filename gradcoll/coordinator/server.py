@@ -29,8 +29,8 @@ import numpy as np
 
 from .. import kernels
 from .._util import Deadline
-from ..algorithms._common import Workspace
 from ..errors import GradcollError, GroupPoisoned, NonFiniteError, TransportBroken, TransportClosed, UsageError
+from ..kernels.workspace import Workspace
 from ._collect import check_same_shape, gather, halt_error
 from ._conn import POLL_S
 from ._faults import abort_code, culprit, reworded

@@ -76,7 +76,7 @@ def _scale_kernel(buf, factor):
         buf[i] = buf[i] * factor
 
 
-# -- low-precision wire (see lowp_reference.py for the bit rules) ----------------------
+# -- low-precision kernels (see lowp_reference.py for the bit rules) --------------------
 # Float bits are reached through uint32 views made on the host, and widening
 # reads a 65,536-entry float32 table (bf16 or fp16), so no bit-cast intrinsic
 # is needed and the simulator runs the same code.
@@ -111,7 +111,7 @@ def _enc_fp16(u):
 
 
 @cuda.jit(cache=False)
-def _encode_wire_kernel(u, w, fp16, flag):
+def _lowp_encode_kernel(u, w, fp16, flag):
     bad = cuda.shared.array(1, int32)
     if cuda.threadIdx.x == 0:
         bad[0] = 0
@@ -128,7 +128,7 @@ def _encode_wire_kernel(u, w, fp16, flag):
 
 
 @cuda.jit(cache=False)
-def _accumulate_wire_kernel(acc, w, table, divisor, dodiv, decode_only, check, flag):
+def _lowp_accumulate_kernel(acc, w, table, divisor, dodiv, decode_only, check, flag):
     bad = cuda.shared.array(1, int32)
     if cuda.threadIdx.x == 0:
         bad[0] = 0

@@ -11,7 +11,7 @@ overflow. The caller locates the culprit on the error path only.
 
 cimport numpy as cnp
 from libc.stdint cimport uint16_t, uint32_t, uint64_t
-from libc.stdlib cimport malloc, free
+from libc.stdlib cimport free, getenv, malloc
 from libc.string cimport memcpy
 
 cnp.import_array()
@@ -287,7 +287,7 @@ def accumulate_fast(object acc, object x, object scale, object divisor, bint che
     return accumulate(a, <cnp.ndarray>x, scale, divisor, check)
 
 
-# -- low-precision wire (same bits as wire_reference.py; see numba_wire.py for the rules) --------
+# -- low-precision kernels (same bits as lowp_reference.py; see numba_lowp.py for the rules) --------
 
 cdef inline uint16_t _enc_bf16(uint32_t u) noexcept nogil:
     if (u & 0x7FFFFFFFu) > 0x7F800000u:
@@ -319,7 +319,7 @@ cdef inline uint16_t _enc_fp16(uint32_t u) noexcept nogil:
     return <uint16_t>(sign | (a >> 13))  # a carry into the exponent gives Inf at 65520
 
 
-def wire_encode(cnp.ndarray src, cnp.ndarray dst, bint fp16):
+def lowp_encode(cnp.ndarray src, cnp.ndarray dst, bint fp16):
     """float32 ``src`` -> uint16 ``dst``; True when every encoded value is finite."""
     cdef Py_ssize_t m = cnp.PyArray_SIZE(src), i
     cdef uint32_t* u = <uint32_t*>cnp.PyArray_DATA(src)
@@ -340,7 +340,7 @@ def wire_encode(cnp.ndarray src, cnp.ndarray dst, bint fp16):
     return (flag & 0x8000u) == 0
 
 
-def wire_accumulate(cnp.ndarray acc, cnp.ndarray src, cnp.ndarray table, bint fp16, double divisor, bint dodiv,
+def lowp_accumulate(cnp.ndarray acc, cnp.ndarray src, cnp.ndarray table, bint fp16, double divisor, bint dodiv,
                     bint decode_only):
     """``acc += decode(src)`` (``acc = decode(src)`` with ``decode_only``), then ``/= divisor``; True when finite."""
     cdef Py_ssize_t m = cnp.PyArray_SIZE(acc), lo = 0, hi, i, k
@@ -374,3 +374,19 @@ def wire_accumulate(cnp.ndarray acc, cnp.ndarray src, cnp.ndarray table, bint fp
                 ok = False
             lo = hi
     return ok
+
+
+# -- the selection policy's view of GRADCOLL_KERNELS (gradcoll/kernels/select.py) ---------------------------
+
+def kernels_env():
+    """``GRADCOLL_KERNELS`` stripped and lower-cased, or None when unset or empty.
+
+    C ``getenv`` costs about 50 ns; ``os.environ.get`` of an unset name costs
+    about 1 us (a KeyError raised and caught), as much as a whole small
+    reduce. ``os.environ`` writes through ``putenv``/``unsetenv``, so every
+    change made through it is seen here.
+    """
+    cdef const char* v = getenv(b"GRADCOLL_KERNELS")
+    if v == NULL or v[0] == 0:
+        return None
+    return (<bytes>v).decode("utf-8", "surrogateescape").strip().lower() or None

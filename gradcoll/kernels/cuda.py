@@ -24,7 +24,7 @@ from numba import config, cuda
 
 from ..errors import BackendUnavailable, UsageError
 from . import reference
-from ._cuda_kernels import _accumulate_kernel, _accumulate_wire_kernel, _encode_wire_kernel, _finite_kernel, _reduce_kernel, _scale_kernel
+from ._cuda_kernels import _accumulate_kernel, _finite_kernel, _lowp_accumulate_kernel, _lowp_encode_kernel, _reduce_kernel, _scale_kernel
 
 NAME = "cuda"
 THREADS = 256
@@ -217,9 +217,7 @@ def accumulate_device(acc: Any, x: Any, *, scale: float | None, divide_by: float
     fa = da.reshape(da.size)
     if not _accumulate_device_raw(fa, dx.reshape(dx.size), scale, divide_by, check_finite):
         hx = dx.copy_to_host().reshape(-1)
-        from . import _explain_accumulate
-
-        _explain_accumulate(fa.copy_to_host(), hx)
+        reference.raise_accumulate(fa.copy_to_host(), hx)
     return acc
 
 
@@ -240,7 +238,7 @@ def scale_device(buf: Any, factor: float) -> None:
 
 
 
-# -- low-precision wire: device arrays (and host arrays through the device) ---------------
+# -- low-precision kernels: device arrays (and host arrays through the device) -------------
 _WIRE_TABLES: dict[tuple[str, int], tuple[Any, Any]] = {}
 _TABLE_LOCK = threading.Lock()  # (wire, context) -> the 256 KiB decode table on that device
 
@@ -261,77 +259,73 @@ def _wire_table(wire: str) -> Any:
         return table
 
 
-def encode_wire_device(src: Any, dst: Any, wire: str, check: bool) -> Any:
+def lowp_encode_device(src: Any, dst: Any, wire: str, check: bool) -> Any:
     """float32 device ``src`` -> uint16 device ``dst`` (allocated when None); raises NonFiniteError."""
     d = _dev(src)
     flat = d.reshape(d.size)
     out = cuda.device_array(d.size, np.uint16) if dst is None else _dev(dst).reshape(d.size)
-    if not _encode_raw(flat, out, wire) and check:
-        from . import _explain_wire
+    if not _lowp_encode_raw(flat, out, wire) and check:
+        from .lowp_reference import raise_nonfinite
 
-        _explain_wire(flat.copy_to_host(), out.copy_to_host(), wire, "encode_wire (cuda)")
+        raise_nonfinite(flat.copy_to_host(), out.copy_to_host(), wire, "encode_wire (cuda)")
     return out if dst is None else dst
 
 
-def _encode_raw(flat: Any, out: Any, wire: str) -> bool:
+def _lowp_encode_raw(flat: Any, out: Any, wire: str) -> bool:
     m = flat.shape[0]
     if m == 0:
         return True
     flag = _flag()
     with _launching():
-        _encode_wire_kernel[_blocks(m), _threads()](flat.view(np.uint32), out, wire == "fp16", flag)
+        _lowp_encode_kernel[_blocks(m), _threads()](flat.view(np.uint32), out, wire == "fp16", flag)
     return int(flag.copy_to_host()[0]) == 0
 
 
-def _acc_wire_raw(acc: Any, w: Any, wire: str, divisor: float | None, decode_only: bool, check: bool) -> bool:
+def _lowp_accumulate_raw(acc: Any, w: Any, wire: str, divisor: float | None, decode_only: bool, check: bool) -> bool:
     m = acc.shape[0]
     if m == 0:
         return True
     flag = _flag()
     dodiv = divisor is not None and divisor != 1
     with _launching(), np.errstate(over="ignore", invalid="ignore"):  # the simulator computes in NumPy scalars
-        _accumulate_wire_kernel[_blocks(m), _threads()](
+        _lowp_accumulate_kernel[_blocks(m), _threads()](
             acc, w, _wire_table(wire), np.float32(divisor if dodiv else 1), dodiv, decode_only, check, flag)
     return int(flag.copy_to_host()[0]) == 0
 
 
-def decode_wire_device(src: Any, dst: Any, wire: str) -> Any:
+def lowp_decode_device(src: Any, dst: Any, wire: str) -> Any:
     """uint16 device ``src`` -> float32 device ``dst`` (allocated when None)."""
     d = _dev(src)
     out = cuda.device_array(d.size, np.float32) if dst is None else _dev(dst).reshape(d.size)
-    _acc_wire_raw(out, d.reshape(d.size), wire, None, True, False)
+    _lowp_accumulate_raw(out, d.reshape(d.size), wire, None, True, False)
     return out if dst is None else dst
 
 
-def accumulate_wire_device(acc: Any, x: Any, wire: str, divisor: float | None, check: bool) -> bool:
+def lowp_accumulate_device(acc: Any, x: Any, wire: str, divisor: float | None, check: bool) -> bool:
     """In place ``acc += decode(x)`` (then divide) on the device; True when finite."""
     da = _dev(acc)
-    return _acc_wire_raw(da.reshape(da.size), _as_device(x).reshape(da.size), wire, divisor, False, check)
+    return _lowp_accumulate_raw(da.reshape(da.size), _as_device(x).reshape(da.size), wire, divisor, False, check)
 
 
-class _WireHost:
-    """Host arrays through the device, with the wire-backend contract of numba_lowp / lowp_reference."""
-
-    @staticmethod
-    def encode(src: np.ndarray, dst: np.ndarray, wire: str, check: bool) -> bool:
-        out = cuda.device_array(src.size, np.uint16)
-        ok = _encode_raw(cuda.to_device(src), out, wire)
-        out.copy_to_host(dst)
-        return ok or not check
-
-    @staticmethod
-    def decode(src: np.ndarray, dst: np.ndarray, wire: str) -> None:
-        d = cuda.device_array(dst.size, np.float32)
-        _acc_wire_raw(d, cuda.to_device(src), wire, None, True, False)
-        d.copy_to_host(dst)
-
-    @staticmethod
-    def accumulate(acc: np.ndarray, x: np.ndarray, wire: str, divisor: float | None, check: bool) -> bool:
-        d = cuda.to_device(acc)
-        ok = _acc_wire_raw(d, cuda.to_device(x), wire, divisor, False, check)
-        d.copy_to_host(acc)
-        return ok
+# Host arrays through the device, with the contract of numba_lowp / lowp_reference.
+def lowp_encode(src: np.ndarray, dst: np.ndarray, wire: str, check: bool) -> bool:
+    """float32 ``src`` -> uint16 ``dst`` on the device; True when finite (or unchecked)."""
+    out = cuda.device_array(src.size, np.uint16)
+    ok = _lowp_encode_raw(cuda.to_device(src), out, wire)
+    out.copy_to_host(dst)
+    return ok or not check
 
 
-#: The wire kernels for host arrays (see gradcoll.kernels.encode_wire).
-WIRE = _WireHost()
+def lowp_decode(src: np.ndarray, dst: np.ndarray, wire: str) -> None:
+    """uint16 ``src`` -> float32 ``dst`` on the device."""
+    d = cuda.device_array(dst.size, np.float32)
+    _lowp_accumulate_raw(d, cuda.to_device(src), wire, None, True, False)
+    d.copy_to_host(dst)
+
+
+def lowp_accumulate(acc: np.ndarray, x: np.ndarray, wire: str, divisor: float | None, check: bool) -> bool:
+    """``acc += decode(x)`` then ``acc /= divisor`` on the device; True when finite."""
+    d = cuda.to_device(acc)
+    ok = _lowp_accumulate_raw(d, cuda.to_device(x), wire, divisor, False, check)
+    d.copy_to_host(acc)
+    return ok

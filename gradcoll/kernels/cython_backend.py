@@ -11,24 +11,22 @@ from collections.abc import Sequence
 
 import numpy as np
 
-from . import _cython_kernels as _ck  # type: ignore[attr-defined]
+from . import reference
+from ._compiled import load
+
+_ck = load()
 
 NAME = "cython"
 
 
 def reduce_rows(rows: Sequence[np.ndarray] | np.ndarray, out: np.ndarray, acc_dtype: np.dtype, divisor: float, check: bool) -> bool:
     """Fixed-order reduce of ``rows`` into ``out`` (accumulating in ``acc_dtype``)."""
-    target = out if out.dtype == acc_dtype else np.empty(out.shape, acc_dtype)
+    target = reference.accumulator(out, acc_dtype)
     if isinstance(rows, np.ndarray):
         ok = _ck.reduce_2d(rows, target, divisor, check)
     else:
         ok = _ck.reduce_list(list(rows), target, divisor, check)
-    if target is not out:
-        with np.errstate(over="ignore", invalid="ignore"):
-            np.copyto(out, target, casting="unsafe")
-        if check and ok:
-            ok = bool(np.isfinite(out).all())  # mixed-dtype path only (out may be float16)
-    return bool(ok)
+    return reference.store(out, target, ok, check)
 
 
 def accumulate(acc: np.ndarray, x: np.ndarray, scale: float | None, divisor: float | None, check: bool) -> bool:

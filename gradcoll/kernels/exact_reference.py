@@ -37,7 +37,9 @@ from typing import Any
 
 import numpy as np
 
-__all__ = ["fraction_bits", "params", "exponents", "exact_reduce", "BITS"]
+__all__ = ["NAME", "fraction_bits", "params", "exponents", "exact_reduce", "BITS"]
+
+NAME = "numpy"
 
 #: bits view, magnitude mask, mantissa bits, exponent bias, all-ones exponent, per input dtype
 BITS: dict[np.dtype[Any], tuple[Any, int, int, int, int]] = {

@@ -1,4 +1,4 @@
-"""NumPy reference of the low-precision wire kernels: the oracle for Numba and CUDA.
+"""NumPy reference of the low-precision kernels: the oracle for the Numba, Cython and CUDA ones.
 
 A *wire* format is how a float32 gradient travels: ``bf16`` (the top 16 bits
 of the float32, rounded to nearest even) or ``fp16`` (IEEE half, rounded to
@@ -26,13 +26,18 @@ import functools
 
 import numpy as np
 
-__all__ = ["WIRES", "encode", "decode", "accumulate", "wire_finite", "fp16_table"]
+from ..errors import NonFiniteError
+
+__all__ = ["NAME", "WIRES", "lowp_encode", "lowp_decode", "lowp_accumulate", "encode", "decode", "accumulate",
+           "wire_finite", "raise_nonfinite", "fp16_table"]
+
+NAME = "numpy"
 
 #: Wire formats by name; the value is the exponent mask of the encoded bits.
 WIRES = {"bf16": 0x7F80, "fp16": 0x7C00}
 
 
-def encode(src: np.ndarray, dst: np.ndarray, wire: str, check: bool) -> bool:
+def lowp_encode(src: np.ndarray, dst: np.ndarray, wire: str, check: bool) -> bool:
     """float32 ``src`` -> uint16 ``dst`` in ``wire``; True when every encoded value is finite."""
     if wire == "bf16":
         u = src.view(np.uint32).astype(np.uint64)
@@ -49,7 +54,7 @@ def encode(src: np.ndarray, dst: np.ndarray, wire: str, check: bool) -> bool:
     return wire_finite(dst, wire) if check else True
 
 
-def decode(src: np.ndarray, dst: np.ndarray, wire: str) -> None:
+def lowp_decode(src: np.ndarray, dst: np.ndarray, wire: str) -> None:
     """uint16 ``src`` in ``wire`` -> float32 ``dst`` (exact)."""
     if wire == "bf16":
         np.copyto(dst, (src.astype(np.uint32) << 16).view(np.float32))
@@ -57,10 +62,10 @@ def decode(src: np.ndarray, dst: np.ndarray, wire: str) -> None:
         np.copyto(dst, src.view(np.float16).astype(np.float32))
 
 
-def accumulate(acc: np.ndarray, x: np.ndarray, wire: str, divisor: float | None, check: bool) -> bool:
+def lowp_accumulate(acc: np.ndarray, x: np.ndarray, wire: str, divisor: float | None, check: bool) -> bool:
     """``acc += decode(x)`` in float32, then ``acc /= divisor``; True when ``acc`` is all finite."""
     tmp = np.empty(acc.shape, np.float32)
-    decode(x, tmp, wire)
+    lowp_decode(x, tmp, wire)
     with np.errstate(over="ignore", invalid="ignore"):
         np.add(acc, tmp, out=acc)
         if divisor is not None and divisor != 1:
@@ -72,6 +77,20 @@ def wire_finite(w: np.ndarray, wire: str) -> bool:
     """True when no encoded value has an all-ones exponent (Inf/NaN)."""
     mask = WIRES[wire]
     return not bool(((w & mask) == mask).any())
+
+
+def raise_nonfinite(src: np.ndarray, w: np.ndarray, wire: str, what: str) -> None:
+    """Raise the NonFiniteError of an encode that flagged a problem: the first value of ``src`` encoded as Inf/NaN."""
+    mask = WIRES[wire]
+    i = int(np.flatnonzero((w & mask) == mask)[0])
+    value = float(src[i])
+    why = "overflows the wire format" if np.isfinite(value) else "is not finite"
+    raise NonFiniteError(f"{what}: value {value!r} at element {i} {why} ({wire})", contributor=0, index=i,
+                         value=value)
+
+
+#: The oracle's short names, as the tests know them.
+encode, decode, accumulate = lowp_encode, lowp_decode, lowp_accumulate
 
 
 @functools.cache

@@ -22,6 +22,8 @@ from collections.abc import Sequence
 import numpy as np
 from numba import njit, prange
 
+from . import reference
+
 NAME = "numba"
 
 #: Elements per block: 4096 float32 = 16 KiB of output per block (L1-resident).
@@ -238,7 +240,7 @@ def reduce_rows(rows: Sequence[np.ndarray] | np.ndarray, out: np.ndarray, acc_dt
     """Fixed-order reduce of ``rows`` (2-D array or list of 1-D arrays) into ``out``."""
     par = out.shape[0] >= PARALLEL_ELEMS
     dodiv = divisor != 1
-    target = out if out.dtype == acc_dtype else np.empty(out.shape, acc_dtype)
+    target = reference.accumulator(out, acc_dtype)
     if isinstance(rows, np.ndarray):
         fn = reduce2d_parallel if par else reduce2d_serial
         ok = fn(rows, target, float(divisor), dodiv, check)
@@ -248,12 +250,7 @@ def reduce_rows(rows: Sequence[np.ndarray] | np.ndarray, out: np.ndarray, acc_dt
     else:
         fn = reduce2d_parallel if par else reduce2d_serial
         ok = fn(np.stack(rows), target, float(divisor), dodiv, check)
-    if target is not out:
-        with np.errstate(over="ignore", invalid="ignore"):
-            np.copyto(out, target, casting="unsafe")
-        if check and ok:
-            ok = bool(np.isfinite(out).all())  # mixed-dtype path only (out may be float16)
-    return bool(ok)
+    return reference.store(out, target, ok, check)
 
 
 def accumulate(acc: np.ndarray, x: np.ndarray, scale: float | None, divisor: float | None, check: bool) -> bool:
@@ -278,7 +275,7 @@ def scale(buf: np.ndarray, factor: float) -> None:
 
 def warmup() -> None:
     """Compile the common specialisations (float32/float64, 2-D and 2-8 tuples, serial and threaded),
-    and those of the low-precision wire and deterministic kernels."""
+    and those of the low-precision and exact kernels."""
     for dt in (np.float32, np.float64):
         for m in (8, PARALLEL_ELEMS):
             x = np.ones((2, m), dt)
@@ -288,8 +285,9 @@ def warmup() -> None:
                 reduce_rows([x[0]] * n, out, np.dtype(dt), n, True)
             accumulate(out, x[0], None, 2, True)
             is_all_finite(out)
+            scale(out, 1.0)
         reduce_rows(np.ones((2, 8), np.float32), np.empty(8, np.float64), np.dtype(np.float64), 2, True)
-    from . import numba_exact, numba_lowp  # the wire and deterministic kernels are Numba's too
+    from . import numba_exact, numba_lowp  # the low-precision and exact kernels are Numba's too
 
     numba_lowp.warmup()
     numba_exact.warmup()

@@ -24,9 +24,15 @@ the output dtype, so the overflow check needs no read-back of ``out``
 
 from __future__ import annotations
 
+import math
+
 import numpy as np
 from numba import njit, types
 from numba.extending import intrinsic
+
+from . import exact_reference
+
+NAME = "numba"
 
 _MAGIC = 6755399441055744.0  # 1.5 * 2**52
 _BLOCK = 2048
@@ -119,10 +125,28 @@ def reduce_rows(own, rows, own_bits, rows_bits, out, mask, shift, top, hi, lo, b
     return bad > 0
 
 
+#: float64 magnitudes from which a store to the dtype gives an infinity (round half to even at the top).
+_LIMIT = {np.dtype(np.float32): 2.0**128 - 2.0**103, np.dtype(np.float64): math.inf}
+
+
+def exact_reduce(own: np.ndarray, rows: np.ndarray, out: np.ndarray, divisor: float) -> int:
+    """``out = (own + sum(rows)) / divisor`` by the exact method; the first non-finite output index, or -1.
+
+    The same bits as ``gradcoll.kernels.exact_reference.exact_reduce`` (same arguments), in one fused pass.
+    """
+    tail = (float(divisor), _LIMIT[own.dtype], 1.0 / divisor if math.frexp(divisor)[0] == 0.5 else 0.0)
+    if rows.shape[0] == 1:
+        flag = reduce_pair(own, rows[0], out, *tail)
+    else:
+        uint, mask, shift, _, top = exact_reference.BITS[own.dtype]
+        hi, lo, bmin = exact_reference.params(own.dtype, rows.shape[0] + 1)
+        flag = reduce_rows(own, rows, own.view(uint), rows.view(uint), out, uint(mask), uint(shift), uint(top),
+                           np.int64(hi), np.int64(lo), np.int64(bmin), *tail)
+    return int(np.flatnonzero(~np.isfinite(out))[0]) if flag else -1
+
+
 def warmup() -> None:
     """Compile the float32 and float64 specialisations (two contributions and more, in place and not)."""
-    from ..algorithms.deterministic import exact_reduce
-
     for dt in (np.float32, np.float64):
         x = np.ones((4, 8), dt)
         for k in (1, 3):

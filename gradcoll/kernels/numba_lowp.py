@@ -1,7 +1,7 @@
-"""Numba kernels of the low-precision wire: encode, decode, and the fused decode-accumulate.
+"""Numba low-precision kernels: encode, decode, and the fused decode-accumulate (bf16/fp16 transfer formats).
 
 Same bits as ``gradcoll.kernels.lowp_reference`` (the oracle). One pass
-per call: ``accumulate`` widens each received wire value, adds it into the
+per call: ``lowp_accumulate`` widens each received wire value, adds it into the
 float32 accumulator, optionally divides, and ORs the exponent bits of the
 result for the finite check, block by block like ``gradcoll.kernels.numba_cpu``; no
 ``fastmath`` (its ``nnan``/``ninf`` flags would delete the check). The
@@ -156,20 +156,20 @@ def _fmt(wire: str) -> int:
     return BF16 if wire == "bf16" else FP16
 
 
-def encode(src: np.ndarray, dst: np.ndarray, wire: str, check: bool) -> bool:
+def lowp_encode(src: np.ndarray, dst: np.ndarray, wire: str, check: bool) -> bool:
     """float32 ``src`` -> uint16 ``dst``; True when finite (the check costs nothing extra)."""
     fn = encode_parallel if src.shape[0] >= PARALLEL_ELEMS else encode_serial
     ok = bool(fn(src.view(np.uint32), dst, _fmt(wire)))
     return ok or not check
 
 
-def decode(src: np.ndarray, dst: np.ndarray, wire: str) -> None:
+def lowp_decode(src: np.ndarray, dst: np.ndarray, wire: str) -> None:
     """uint16 ``src`` -> float32 ``dst``."""
     fn = accumulate_parallel if dst.shape[0] >= PARALLEL_ELEMS else accumulate_serial
     fn(dst, src, fp16_table(), _fmt(wire), 1.0, False, True)
 
 
-def accumulate(acc: np.ndarray, x: np.ndarray, wire: str, divisor: float | None, check: bool) -> bool:
+def lowp_accumulate(acc: np.ndarray, x: np.ndarray, wire: str, divisor: float | None, check: bool) -> bool:
     """Fused ``acc += decode(x)`` then ``acc /= divisor``, with the finite check."""
     fn = accumulate_parallel if acc.shape[0] >= PARALLEL_ELEMS else accumulate_serial
     dodiv = divisor is not None and divisor != 1
@@ -183,6 +183,6 @@ def warmup() -> None:
         src = np.ones(m, np.float32)
         w = np.empty(m, np.uint16)
         for wire in ("bf16", "fp16"):
-            encode(src, w, wire, True)
-            decode(w, src, wire)
-            accumulate(src, w, wire, 2, True)
+            lowp_encode(src, w, wire, True)
+            lowp_decode(w, src, wire)
+            lowp_accumulate(src, w, wire, 2, True)

@@ -4,7 +4,9 @@ Summation order is fixed: ``acc = x[0]; acc += x[1]; ...; acc += x[n-1]``,
 element by element, in the accumulation dtype; a mean then divides by ``n``.
 The finite check looks at the result: any NaN/Inf input makes the sum
 non-finite (NaN and Inf propagate through addition), and so does an overflow.
-The exact culprit is located afterwards by ``locate_nonfinite``.
+The exact culprit is located afterwards, on the error path only
+(``locate_nonfinite``), and the ``raise_*`` functions build the error that
+names it.
 """
 
 from __future__ import annotations
@@ -15,7 +17,8 @@ import numpy as np
 
 from ..errors import NonFiniteError
 
-__all__ = ["reduce_rows", "accumulate", "is_all_finite", "locate_nonfinite", "raise_nonfinite"]
+__all__ = ["reduce_rows", "accumulator", "store", "accumulate", "is_all_finite", "locate_nonfinite", "raise_nonfinite", "raise_accumulate",
+           "raise_finite", "first_bad"]
 
 
 def reduce_rows(
@@ -39,6 +42,24 @@ def _reduce_rows(rows: Sequence[np.ndarray], out: np.ndarray, acc_dtype: np.dtyp
     if check:
         return bool(np.isfinite(out).all())
     return True
+
+
+def accumulator(out: np.ndarray, acc_dtype: np.dtype) -> np.ndarray:
+    """Where a compiled reduce into ``out`` accumulates: ``out`` itself, or a buffer of ``acc_dtype``."""
+    return out if out.dtype == acc_dtype else np.empty(out.shape, acc_dtype)
+
+
+def store(out: np.ndarray, target: np.ndarray, ok: bool, check: bool) -> bool:
+    """Finish a reduce accumulated in ``target`` (from ``accumulator``): the result in ``out``; True when finite.
+
+    A result accumulated in another dtype is stored with a cast and checked again (a float16 ``out`` may overflow).
+    """
+    if target is not out:
+        with np.errstate(over="ignore", invalid="ignore"):
+            np.copyto(out, target, casting="unsafe")
+        if check and ok:
+            ok = bool(np.isfinite(out).all())
+    return bool(ok)
 
 
 def accumulate(acc: np.ndarray, x: np.ndarray, scale: float | None, divisor: float | None, check: bool) -> bool:
@@ -104,3 +125,31 @@ def raise_nonfinite(rows: Sequence[np.ndarray], result: np.ndarray | None = None
         index=idx,
         value=val,
     )
+
+
+def first_bad(a: np.ndarray) -> int:
+    """Index of the first NaN/Inf of ``a`` (there is one)."""
+    return int(np.flatnonzero(~np.isfinite(a))[0])
+
+
+def raise_accumulate(acc: np.ndarray, x: np.ndarray, what: str = "accumulate") -> None:
+    """Error path of an accumulate: raise NonFiniteError naming the culprit.
+
+    NaN/Inf in ``x`` survives into ``acc``, so ``x`` is looked at first;
+    otherwise ``acc`` was already non-finite or the sum overflowed.
+    """
+    if not is_all_finite(x):
+        i = first_bad(x)
+        raise NonFiniteError(f"{what}: non-finite value {float(x[i])!r} in input 1 at element {i}",
+                             contributor=1, index=i, value=float(x[i]))
+    i = first_bad(acc)
+    raise NonFiniteError(
+        f"{what}: acc holds {float(acc[i])!r} at element {i} (non-finite before the add, or overflow)",
+        contributor=0, index=i, value=float(acc[i]))
+
+
+def raise_finite(a: np.ndarray) -> None:
+    """Error path of check_finite: raise NonFiniteError naming the first bad element of ``a``."""
+    i = first_bad(a)
+    raise NonFiniteError(f"check_finite: non-finite value {float(a[i])!r} at element {i}", contributor=0, index=i,
+                         value=float(a[i]))

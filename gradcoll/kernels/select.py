@@ -1,14 +1,61 @@
-"""Backend registry: which kernel implementations load here, and which to use.
+"""The one kernel selection policy: which implementation runs each call of ``gradcoll.kernels``.
 
-Backends are imported on first use, never at ``import gradcoll``. A backend
-that fails to load is reported with its original exception chained.
+Every facade function asks [`resolve`][gradcoll.kernels.select.resolve] with
+the call's *kind*, its number of output elements, whether its arrays live on a
+GPU, and the ``backend=`` it was given. Kinds: ``reduce``
+([`mean_reduce`][gradcoll.kernels.mean_reduce]), ``accumulate``, ``finite``
+([`check_finite`][gradcoll.kernels.check_finite]), ``scale``, ``lowp``
+([`encode_wire`][gradcoll.kernels.encode_wire], [`decode_wire`][gradcoll.kernels.decode_wire],
+[`accumulate_wire`][gradcoll.kernels.accumulate_wire]) and ``exact``
+([`exact_reduce`][gradcoll.kernels.exact_reduce]).
 
-Selection for ``backend=None`` (measured on the 2-core CI machine, see
-docs/performance.md): the compiled Cython kernels up to
-``SMALL_ELEMS`` output elements (no JIT dispatch, lowest per-call cost),
-Numba above that (serial up to its own parallel threshold, then threads),
-NumPy when neither loads. Device arrays go to the CUDA backend.
-``GRADCOLL_KERNELS=numba|cython|numpy|cuda|cudasim`` overrides the choice.
+The request is ``backend=`` when given: a name, or an object implementing the
+backend protocol (``gradcoll.kernels.protocol``), which then gets every call.
+Without it, ``GRADCOLL_KERNELS=numba|cython|numpy|cuda|cudasim`` names the
+backend; without that, the choice is automatic. The table (``POLICY``, with
+``HALF`` and ``DEVICE``, in the code) lists for each the backends to try; the
+first that implements the kind on this machine runs (a single name that does not load raises
+[`BackendUnavailable`][gradcoll.errors.BackendUnavailable] with the cause):
+
+| kind | automatic, up to `SMALL_ELEMS` | automatic, larger | `cython` | `numba` | `numpy` | `cuda`, `cudasim` |
+|---|---|---|---|---|---|---|
+| reduce, accumulate, finite, scale | cython, numba, numpy | numba, cython, numpy | cython | numba | numpy | that one |
+| the same on float16 (not reduce) | numpy | numpy | numpy | numpy | numpy | numpy |
+| lowp | numba, numpy | numba, numpy | cython, numba, numpy | numba, numpy | numpy | that one |
+| exact | numba, numpy | numba, numpy | numba, numpy | numba, numpy | numpy | numba, numpy |
+
+Device arrays go to ``cuda``, else ``cudasim`` (``GRADCOLL_KERNELS`` naming a
+host backend does not apply to them); ``backend="cuda"`` or ``"cudasim"``
+picks one, and a host backend named in ``backend=`` is a
+[`UsageError`][gradcoll.errors.UsageError].
+
+Why: the Cython kernels have the lowest per-call cost (no JIT dispatch), so
+they win below ``SMALL_ELEMS`` output elements; above it the Numba kernels
+(threaded from their own ``PARALLEL_ELEMS``) do (measured on the 2-core CI
+machine, docs/performance.md). The compiled kernels take float32 and float64
+only, so half buffers go to NumPy (``mean_reduce`` widens half inputs to
+float32 first). Low precision runs the threaded Numba kernels unless
+``cython`` is asked for (serial: what a process group uses, one thread per
+rank); there are no Cython or CUDA exact kernels, and a process group passes
+its ``kernel_backend`` to every collective, so ``lowp`` with ``cython`` and
+``exact`` fall back, to the Numba kernels and then the NumPy reference, which
+give the same bits.
+
+Fast path: where the table picks ``cython`` for ``reduce`` or
+``accumulate``, the facade first offers the call to the extension's
+validating entry ([`fast_path`][gradcoll.kernels.select.fast_path]): one C
+call that checks plain arrays and reduces them (about 1 us for 1,000
+elements); anything it does not take (a 2-D input, float16, a non-contiguous
+array, a NaN to explain) goes the general way, through the same table.
+
+``GRADCOLL_KERNELS`` is read on every call, so a test can set it and get that
+backend. On the hot path it is read with C ``getenv`` (the extension's
+``kernels_env``, about 50 ns): ``os.environ.get`` of an unset name costs about
+1 us (a KeyError raised and caught), as much as the whole call. ``os.environ``
+writes through ``putenv``/``unsetenv``, so the C environment sees every change
+made through it. Without the extension there is no fast path, the variable is
+read with ``os.environ.get``, and a call costs microseconds of JIT dispatch
+anyway.
 """
 
 from __future__ import annotations
@@ -16,55 +63,109 @@ from __future__ import annotations
 import functools
 import importlib
 import os
+from collections.abc import Callable
 from types import ModuleType
+from typing import Any
 
 from ..errors import BackendUnavailable, UsageError
+from ._compiled import extension
+from .protocol import KIND_METHODS
 
 __all__ = [
     "BACKENDS",
+    "KINDS",
+    "POLICY",
+    "DEVICE",
+    "SMALL_ELEMS",
+    "resolve",
+    "candidates",
+    "implementation",
+    "fast_path",
     "load_backend",
     "available_backends",
     "choose_backend",
     "env_override",
     "env_override_set",
-    "SMALL_ELEMS",
+    "kernels_env",
 ]
 
 #: Every backend gradcoll knows, in order of preference for host arrays.
 BACKENDS = ("cython", "numba", "numpy", "cuda", "cudasim")
-
-#: Below this many output elements the Cython path wins (measured).
+#: The kinds of kernel call (see the module docstring).
+KINDS = ("reduce", "accumulate", "finite", "scale", "lowp", "exact")
+#: Up to this many output elements the automatic choice is Cython (measured).
 SMALL_ELEMS = 16384
 
-_MODULES = {
-    "numpy": "gradcoll.kernels.numpy_backend",
-    "numba": "gradcoll.kernels.numba_cpu",
-    "cython": "gradcoll.kernels.cython_backend",
-    "cuda": "gradcoll.kernels.cuda",
-    "cudasim": "gradcoll.kernels.cuda",
+Chains = tuple[tuple[str, ...], tuple[str, ...]]  # (up to SMALL_ELEMS, larger)
+
+
+def _both(*names: str) -> Chains:
+    return names, names
+
+
+_ELEMENTWISE: dict[str | None, Chains] = {
+    None: (("cython", "numba", "numpy"), ("numba", "cython", "numpy")),
+    **{name: _both(name) for name in BACKENDS},
 }
+_TO_NUMBA = _both("numba", "numpy")
+
+#: kind -> request (a backend name, or None for automatic) -> the backends to try, by size class.
+POLICY: dict[str, dict[str | None, Chains]] = {
+    "reduce": _ELEMENTWISE,
+    "accumulate": _ELEMENTWISE,
+    "finite": _ELEMENTWISE,
+    "scale": _ELEMENTWISE,
+    "lowp": {None: _TO_NUMBA, "cython": _both("cython", "numba", "numpy"), "numba": _TO_NUMBA,
+             "numpy": _both("numpy"), "cuda": _both("cuda"), "cudasim": _both("cudasim")},
+    "exact": {None: _TO_NUMBA, "cython": _TO_NUMBA, "numba": _TO_NUMBA, "numpy": _both("numpy"),
+              "cuda": _TO_NUMBA, "cudasim": _TO_NUMBA},
+}
+#: Float16 host buffers of these kinds, whatever was asked for: the compiled kernels take float32/float64.
+HALF: dict[str, tuple[str, ...]] = {"accumulate": ("numpy",), "finite": ("numpy",), "scale": ("numpy",)}
+#: Device arrays: request -> the backends to try.
+DEVICE: dict[str | None, tuple[str, ...]] = {None: ("cuda", "cudasim"), "cuda": ("cuda",), "cudasim": ("cudasim",)}
+
+_FAMILY = {"reduce": "host", "accumulate": "host", "finite": "host", "scale": "host", "lowp": "lowp", "exact": "exact"}
+#: family -> backend -> the module (in gradcoll.kernels) holding that backend's kernels of that family of kinds.
+_MODULES = {
+    "host": {"numpy": "numpy_backend", "numba": "numba_cpu", "cython": "cython_backend", "cuda": "cuda", "cudasim": "cuda"},
+    "lowp": {"numpy": "lowp_reference", "numba": "numba_lowp", "cython": "cython_lowp", "cuda": "cuda", "cudasim": "cuda"},
+    "exact": {"numpy": "exact_reference", "numba": "numba_exact"},
+}
+#: The extension's validating entry per kind (see ``fast_path``).
+_FAST = {"reduce": "reduce_fast", "accumulate": "accumulate_fast"}
+_NO_LIMIT = 1 << 62
 
 
 @functools.cache
-def _load(name: str) -> ModuleType | BaseException:
+def _load(name: str, family: str = "host") -> ModuleType | BaseException:
+    """Import a backend's module (once): the module, or the exception that stopped it (kept for the error)."""
+    module = _MODULES[family].get(name)
+    if module is None:
+        return BackendUnavailable(f"kernel backend {name!r} has no {family} kernels")
     try:
-        mod = importlib.import_module(_MODULES[name])
+        mod = importlib.import_module(f"gradcoll.kernels.{module}")  # by name: on first use, never at import gradcoll
         probe = getattr(mod, "probe", None)
         if probe is not None:
             probe(name)
         return mod
-    except Exception as exc:  # remembered, re-raised with context by load_backend
+    except Exception as exc:  # remembered, re-raised with context by the caller
         return exc
 
 
-def load_backend(name: str) -> ModuleType:
-    """Return the backend module ``name``, or raise BackendUnavailable chaining the cause."""
-    if name not in _MODULES:
+def implementation(name: str, kind: str = "reduce") -> ModuleType:
+    """The module of backend ``name`` for ``kind``; raises BackendUnavailable chaining the cause."""
+    if name not in BACKENDS:
         raise UsageError(f"unknown kernel backend {name!r}; known: {', '.join(BACKENDS)}")
-    res = _load(name)
+    res = _load(name, _FAMILY[kind])
     if isinstance(res, BaseException):
         raise BackendUnavailable(f"kernel backend {name!r} is not available here: {res}") from res
     return res
+
+
+def load_backend(name: str) -> ModuleType:
+    """Return the backend module ``name`` (its host kernels), or raise BackendUnavailable chaining the cause."""
+    return implementation(name, "reduce")
 
 
 def available_backends() -> list[str]:
@@ -72,39 +173,126 @@ def available_backends() -> list[str]:
     return [b for b in BACKENDS if not isinstance(_load(b), BaseException)]
 
 
-def env_override_set() -> bool:
-    """Cheap test for a non-empty GRADCOLL_KERNELS (on the per-call hot path).
+def _env_py() -> str | None:
+    return os.environ.get("GRADCOLL_KERNELS", "").strip().lower() or None
 
-    ``os.environ.get`` encodes the key on every call (~0.5 us); the encoded
-    mapping behind ``os.environ`` is kept in sync by it, so look there.
-    """
-    data = getattr(os.environ, "_data", None)
-    if isinstance(data, dict) and os.name != "nt":
-        return bool(data.get(b"GRADCOLL_KERNELS"))
-    return bool(os.environ.get("GRADCOLL_KERNELS"))
+
+def _env_first() -> str | None:
+    global kernels_env
+    ext = extension()
+    kernels_env = getattr(ext, "kernels_env", _env_py)  # C getenv when built (module docstring)
+    return kernels_env()
+
+
+#: The backend named by GRADCOLL_KERNELS (stripped, lower case), or None; cheap enough for every call.
+kernels_env: Callable[[], str | None] = _env_first
 
 
 def env_override() -> str | None:
     """The backend named by GRADCOLL_KERNELS, if set."""
-    name = os.environ.get("GRADCOLL_KERNELS", "").strip().lower()
-    return name or None
+    return kernels_env()
 
 
-def choose_backend(nelems: int, *, device: bool = False, backend: str | None = None) -> ModuleType:
-    """Pick the backend module for a buffer of ``nelems`` output elements."""
-    if backend is None:
-        backend = env_override()
-    if backend is not None:
-        return load_backend(backend)
+def env_override_set() -> bool:
+    """True when GRADCOLL_KERNELS names a backend."""
+    return kernels_env() is not None
+
+
+def candidates(kind: str, name: str | None, nelems: int = 0, *, device: bool = False,
+               half: bool = False) -> tuple[str, ...]:
+    """The backends ``POLICY`` lists for this call, in order (``name``: the request, after GRADCOLL_KERNELS)."""
+    if kind not in POLICY:
+        raise UsageError(f"unknown kernel kind {kind!r}; known: {', '.join(KINDS)}")
+    if name is not None and name not in BACKENDS:
+        raise UsageError(f"unknown kernel backend {name!r}; known: {', '.join(BACKENDS)}")
     if device:
-        for name in ("cuda", "cudasim"):
-            mod = _load(name)
-            if not isinstance(mod, BaseException):
-                return mod
-        return load_backend("cuda")
-    order = ("cython", "numba", "numpy") if nelems <= SMALL_ELEMS else ("numba", "cython", "numpy")
-    for name in order:
-        mod = _load(name)
-        if not isinstance(mod, BaseException):
-            return mod
-    return load_backend("numpy")
+        if name not in DEVICE:
+            raise UsageError(f"kernel backend {name!r} takes host arrays; device arrays need 'cuda' or 'cudasim'")
+        return DEVICE[name]
+    if half and kind in HALF:
+        return HALF[kind]
+    return POLICY[kind][name][nelems > SMALL_ELEMS]
+
+
+_RESOLVED: dict[tuple[str, str | None, bool, bool, bool], Any] = {}
+
+
+def resolve(kind: str, nelems: int = 0, *, device: bool = False, backend: Any = None, half: bool = False) -> Any:
+    """The implementation of ``kind`` for a call on ``nelems`` output elements: a module, or ``backend`` itself.
+
+    ``backend``: a name, an object (returned as is once it has the kind's methods), or None (GRADCOLL_KERNELS,
+    then automatic). ``half``: the buffer is float16. Resolutions are remembered (a backend's availability does
+    not change in a process), so a call costs a dictionary lookup.
+    """
+    if backend is not None and not isinstance(backend, str):
+        for method in KIND_METHODS[kind][device]:
+            if not hasattr(backend, method):
+                raise UsageError(f"kernel backend {backend!r} has no {method}() for the {kind} kernels "
+                                 f"(see gradcoll.kernels.protocol)")
+        return backend
+    name = backend if backend is not None else kernels_env()
+    if device and backend is None and name not in DEVICE:
+        name = None  # GRADCOLL_KERNELS naming a host backend does not move device arrays
+    key = (kind, name, device, nelems > SMALL_ELEMS, half)
+    impl = _RESOLVED.get(key)
+    if impl is None:
+        impl = _pick(kind, candidates(kind, name, nelems, device=device, half=half), device)
+        _RESOLVED[key] = impl
+    return impl
+
+
+def _pick(kind: str, names: tuple[str, ...], device: bool) -> ModuleType:
+    family = "host" if device else _FAMILY[kind]
+    first: BaseException | None = None
+    for name in names:
+        res = _load(name, family)
+        if not isinstance(res, BaseException):
+            return res
+        first = first or res
+    raise BackendUnavailable(f"kernel backend {names[0]!r} is not available here: {first}") from first
+
+
+FastEntry = tuple[Callable[..., Any], int] | None
+_MISS: Any = object()
+#: kind -> request -> the fast path of ``fast_path`` (filled on first use: the extension loads then).
+_FAST_CACHE: dict[str, dict[str | None, FastEntry]] = {kind: {} for kind in _FAST}
+
+
+def fast_path(kind: str, backend: Any = None) -> FastEntry:
+    """The extension's validating entry for ``kind`` and the most elements it may take, or None.
+
+    There is one where ``POLICY`` picks ``cython`` for this request and the extension is built: up to
+    ``SMALL_ELEMS`` for the automatic choice, any size when ``cython`` is named. The entry returns None for a
+    call it does not take, which then goes through ``resolve``. On every small call: two dictionary lookups.
+    """
+    if backend is None:
+        backend = kernels_env()
+    elif not isinstance(backend, str):
+        return None  # an injected backend gets every call
+    cache = _FAST_CACHE.get(kind)
+    if cache is None:
+        return None
+    entry = cache.get(backend, _MISS)
+    if entry is _MISS:
+        entry = _fast_entry(kind, backend)
+        if backend is None or backend in BACKENDS:  # unknown names are not remembered (resolve rejects them)
+            cache[backend] = entry
+    return entry  # type: ignore[no-any-return]
+
+
+def _fast_entry(kind: str, backend: str | None) -> FastEntry:
+    chains = POLICY[kind].get(backend)
+    ext = extension()
+    if chains is None or ext is None or isinstance(_load("cython"), BaseException):
+        return None
+    fn = getattr(ext, _FAST[kind])
+    if chains[1][0] == "cython":
+        return fn, _NO_LIMIT
+    if chains[0][0] == "cython":
+        return fn, SMALL_ELEMS
+    return None
+
+
+def choose_backend(nelems: int, *, device: bool = False, backend: Any = None) -> Any:
+    """The implementation of a ``reduce`` of ``nelems`` output elements (``resolve("reduce", ...)``)."""
+    return resolve("reduce", nelems, device=device, backend=backend)

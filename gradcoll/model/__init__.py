@@ -1,3 +1,4 @@
 """The cost model of the allreduce algorithms (`gradcoll.model.costmodel`) and the simulated network
-that runs the real algorithm code against it (`gradcoll.model.sim`, imported on its own: it sits above
-the algorithms, which read the fitted model to choose for ``algorithm="auto"``)."""
+(`gradcoll.model.sim`: transports and kernels that advance virtual clocks). The algorithms read the fitted
+model to choose for ``algorithm="auto"``, and `gradcoll.algorithms.simulate` runs them on the simulated
+network; nothing here imports the algorithms."""

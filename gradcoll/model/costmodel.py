@@ -84,10 +84,11 @@ and the rest refitted; parameters can be held fixed). ``crossovers``
 lists the sizes where the fastest algorithm changes; ``stored_models``
 reads the models fitted to this project's measurements
 (``costmodel_fitted.json``, written by ``benches/fit_costmodel.py``), from
-which ``algorithm="auto"`` takes its thresholds. The simulated transport
-``gradcoll.model.sim`` runs the real algorithm code against the same
-model (one core per rank, so without ``switch``, the shared CPU and
-``wait_share``); its virtual times equal these closed forms.
+which ``algorithm="auto"`` takes its thresholds. On the simulated network
+of ``gradcoll.model.sim``, ``gradcoll.algorithms.simulate`` runs the real
+algorithm code against the same model (one core per rank, so without
+``switch``, the shared CPU and ``wait_share``); its virtual times equal
+these closed forms.
 """
 
 from __future__ import annotations
@@ -105,7 +106,7 @@ import numpy as np
 from ..errors import UsageError
 
 __all__ = ["AlphaBeta", "Node", "Work", "ALGORITHMS", "PARAMETERS", "terms", "work", "predict", "best", "fit",
-           "crossovers", "busbw", "link_model", "stored_models", "FITTED_PATH"]
+           "crossovers", "busbw", "link_model", "stored_models", "FITTED_PATH", "EARLIER_TIME_KEYS"]
 
 #: The algorithms the model covers.
 ALGORITHMS = ("ring", "star", "recursive_doubling")
@@ -280,14 +281,22 @@ def _row_node(row: Mapping[str, Any]) -> Node | None:
     return None if cores is None else Node(int(row["ranks"]), float(cores))
 
 
-def fit(rows: Iterable[Mapping[str, Any]], *, time_key: str = "time_avg_us",
+#: Time fields of ``gradcoll bench --json`` rows under the names files written before them use (``load_rows`` of
+#: ``gradcoll.cli.bench`` renames them; ``fit`` also reads rows built by hand under the earlier names).
+EARLIER_TIME_KEYS = {"iter_mean_us_avg_over_ranks": "time_avg_us", "iter_mean_us_min_over_ranks": "time_min_us",
+                     "iter_mean_us_max_over_ranks": "time_max_us", "iter_median_us_avg_over_ranks": "time_med_us"}
+
+
+def fit(rows: Iterable[Mapping[str, Any]], *, time_key: str = "iter_mean_us_avg_over_ranks",
         params: Sequence[str] = ("alpha_s", "beta_s_per_byte", "gamma_s_per_byte"),
         fixed: Mapping[str, float] | None = None, cache_bytes: float = 0.0, l2_bytes: float = 0.0,
         wait_busy_s: float = 0.0) -> AlphaBeta:
     """Least-squares fit of the ``params`` (of ``PARAMETERS``) to ``gradcoll bench --json`` rows.
 
     Each row needs ``algorithm`` (one of ``ALGORITHMS``), ``ranks``,
-    ``size`` and ``time_key`` (microseconds); a row with ``cores`` was
+    ``size`` and ``time_key`` (microseconds; by default each rank's mean time
+    per call averaged over the ranks, read under its earlier name
+    ``time_avg_us`` where a row has only that); a row with ``cores`` was
     measured with all its ranks on one node of that many cores. Residuals are
     relative to the measured time. ``fixed`` holds parameters at given values
     (e.g. ``gamma_s_per_byte`` from a kernel benchmark); the rest are zero.
@@ -306,7 +315,8 @@ def fit(rows: Iterable[Mapping[str, Any]], *, time_key: str = "time_avg_us",
         if algo not in ALGORITHMS:
             raise UsageError(f"row has algorithm {algo!r}; fit needs rows of {', '.join(ALGORITHMS)}")
         data.append((algo, int(row["ranks"]), float(row["size"]), _row_node(row)))
-        t_rows.append(float(row[time_key]) * 1e-6)
+        key = time_key if time_key in row else EARLIER_TIME_KEYS.get(time_key, time_key)
+        t_rows.append(float(row[key]) * 1e-6)
     if len(t_rows) < 3:
         raise UsageError(f"fit needs at least 3 rows, got {len(t_rows)}")
     t = np.asarray(t_rows)

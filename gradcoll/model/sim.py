@@ -1,28 +1,24 @@
-"""Simulated transport: the real algorithm code on many ranks, virtual clocks instead of bytes.
+"""Simulated network: virtual clocks instead of bytes, for running the real algorithm code on many ranks.
 
-``simulate`` runs one real allreduce (``gradcoll.algorithms.ALLREDUCE``)
-on ``n`` threads of this process over ``SimTransport`` and returns each
-rank's virtual finishing time under an ``AlphaBeta``
-model. What is real and what is simulated:
+``SimWorld`` holds ``n`` simulated ranks, each a ``SimTransport`` (one thread
+per rank drives it), under an ``AlphaBeta`` model; ``SimKernels`` is a rank's
+kernel backend (``backend=`` of the algorithms, ``gradcoll.kernels.protocol``).
+``gradcoll.algorithms.simulate.simulate`` runs an allreduce on them.
 
-* **Real**: the algorithm's whole control flow - which rank sends which
-  chunk to whom, in which order, with which tags and lengths, the waits, the
-  fold/unfold of recursive doubling, the star's root, the ring's schedule.
-  Tags and lengths are checked as by every transport (a mismatch raises
+* **Real**: whatever the caller does with the transport: which rank sends
+  which message to whom, in which order, with which tags and lengths, and the
+  waits. Tags and lengths are checked as by every transport (a mismatch raises
   [`CollectiveMismatch`][gradcoll.errors.CollectiveMismatch]).
 * **Not moved**: payloads. ``isend`` records only (tag, length, virtual
-  arrival time); ``irecv`` leaves the receive buffer untouched. So results
-  are meaningless and the run uses ``op="sum"``, ``check_finite=False``.
-* **Skipped kernels**: while ``simulate`` runs, ``kernels.accumulate``
-  and ``kernels.mean_reduce`` are replaced (for the simulation's threads
-  only; other threads get the real kernels) by stubs that do not compute and
-  instead advance the calling rank's clock by ``gamma`` times the bytes of
-  incoming contribution (``x`` for accumulate, all rows but one for
-  mean_reduce). mean_reduce also charges ``delta`` for one row: its only
-  caller, the star's root, first copies its own input into row 0.
-* **Virtual size**: the real buffer is small (``n * elems_per_rank``
-  float32); every length is multiplied by ``scale = nbytes / real bytes``
-  when the clocks advance, so a 1 GiB allreduce costs no memory.
+  arrival time); ``irecv`` leaves the receive buffer untouched.
+* **Not computed**: reductions. ``SimKernels`` advances its rank's clock by
+  ``gamma`` times the bytes of incoming contribution (``x`` of an
+  accumulate, all rows but one of a reduce) instead of adding; a reduce also
+  charges ``delta`` for one row: its only caller, the star's root, first
+  copies its own input into row 0.
+* **Virtual size**: every length is multiplied by ``scale`` (virtual bytes
+  per real byte) when the clocks advance, so a small real buffer stands for a
+  large one.
 
 Clock rules (per rank: ``clock``, ``egress_free``, ``ingress_free``; each
 touched only by its own rank's thread, so a run is deterministic):
@@ -54,9 +50,9 @@ touched only by its own rank's thread, so a run is deterministic):
   own cache (``gradcoll.costmodel.out_of_l2``; ``m`` is the message the
   operation copies, or the incoming contribution it reduces).
 
-Under these rules the times equal the closed forms of
+Under these rules the times of an allreduce equal the closed forms of
 ``gradcoll.costmodel.predict`` with ``node=None`` (the ring run with one
-segment per chunk, the default here), when ``beta`` or ``delta`` is zero:
+segment per chunk, the default of ``simulate``), when ``beta`` or ``delta`` is zero:
 with both, the closed form adds the star root's link time and copy time,
 while here its copy out of one message overlaps the next one's arrival.
 What the simulation leaves out: ranks sharing a node's cores (``Node``:
@@ -73,20 +69,16 @@ from __future__ import annotations
 
 import collections
 import threading
-from collections.abc import Callable, Iterator
-from contextlib import contextmanager
+from collections.abc import Sequence
 from typing import Any
 
 import numpy as np
 
-from .. import kernels
 from ..errors import CollectiveMismatch, UsageError
 from ..transport.base import Request, Transport, as_bytes_view, as_writable_view
 from .costmodel import AlphaBeta, out_of_l2
 
-__all__ = ["SimTransport", "SimWorld", "simulate"]
-
-_LOCAL = threading.local()  # .transport: the SimTransport of the current simulation thread
+__all__ = ["SimTransport", "SimWorld", "SimKernels"]
 
 
 class _Msg:
@@ -204,6 +196,8 @@ class SimTransport(Transport):
         self.clock = 0.0
         self.egress_free = 0.0
         self.ingress_free = 0.0
+        #: This rank's kernel backend: pass it as ``backend=`` so that reductions cost virtual time.
+        self.kernels = SimKernels(self)
 
     def isend(self, peer: int, buf: Any, tag: int = 0) -> Request:
         """Record a message of ``len(buf)`` bytes for ``peer``; the payload is not copied."""
@@ -245,80 +239,41 @@ class SimTransport(Transport):
         self.closed = True
 
 
-_PATCH_LOCK = threading.Lock()
+class SimKernels:
+    """The kernel backend of one simulated rank (``gradcoll.kernels.protocol.ReduceKernels``): reductions cost
+    the rank virtual time instead of computing.
 
-
-@contextmanager
-def _stub_kernels() -> Iterator[None]:
-    """Replace the reducing kernels with clock-charging stubs for simulation threads."""
-    real_acc: Callable[..., Any] = kernels.accumulate
-    real_mean: Callable[..., Any] = kernels.mean_reduce
-
-    def accumulate(acc: Any, x: Any, *args: Any, **kw: Any) -> Any:
-        t: SimTransport | None = getattr(_LOCAL, "transport", None)
-        if t is None:
-            return real_acc(acc, x, *args, **kw)
-        t.charge_reduce(np.asarray(x).nbytes)
-        return acc
-
-    def mean_reduce(rows: Any, *args: Any, **kw: Any) -> Any:
-        t: SimTransport | None = getattr(_LOCAL, "transport", None)
-        if t is None:
-            return real_mean(rows, *args, **kw)
-        arr = np.asarray(rows)
-        row = arr[0].nbytes if len(arr) else 0
-        t.charge_reduce(arr.nbytes - row, copied=row, operand=row)  # the star root's copy of its own input into row 0
-        return kw.get("out")
-
-    with _PATCH_LOCK:
-        setattr(kernels, "accumulate", accumulate)  # noqa: B010 - the module attribute the algorithms look up
-        setattr(kernels, "mean_reduce", mean_reduce)  # noqa: B010
-        try:
-            yield
-        finally:
-            setattr(kernels, "accumulate", real_acc)  # noqa: B010
-            setattr(kernels, "mean_reduce", real_mean)  # noqa: B010
-
-
-def simulate(algorithm: str, n: int, nbytes: int, model: AlphaBeta, *, elems_per_rank: int = 4,
-             segment_bytes: int | None = None, timeout: float = 60.0) -> list[float]:
-    """Run the real ``algorithm`` allreduce on ``n`` simulated ranks; each rank's virtual seconds.
-
-    The buffer is ``n * elems_per_rank`` float32 standing for ``nbytes``.
-    ``segment_bytes`` (ring only) is in virtual bytes; None runs one segment
-    per chunk, as the closed form assumes.
+    The payloads never move, so there is nothing to add and nothing to check:
+    ``reduce_rows`` and ``accumulate`` charge the rank's clock (module
+    docstring) and report a finite result; ``is_all_finite`` and ``scale``
+    cost nothing, as nothing in the model charges them.
     """
-    from ..algorithms import ALLREDUCE
 
-    fn = ALLREDUCE.get(algorithm)
-    if fn is None:
-        raise UsageError(f"unknown algorithm {algorithm!r}")
-    count = n * elems_per_rank
-    scale = nbytes / (count * 4)
-    world = SimWorld(n, model, scale, max(0.0, 1.0 - model.cache_bytes / nbytes) if nbytes > 0 else 0.0)
-    ts = [SimTransport(world, r, timeout) for r in range(n)]
-    kw: dict[str, Any] = {"op": "sum", "check_finite": False}
-    if algorithm == "ring":
-        kw["segment_bytes"] = 1 << 62 if segment_bytes is None else max(4, int(segment_bytes / scale))
-    errors: list[BaseException] = []
+    name = "sim"
 
-    def rank_main(t: SimTransport) -> None:
-        _LOCAL.transport = t
-        try:
-            fn(t, np.zeros(count, np.float32), **kw)
-        except BaseException as exc:  # reported to the caller below
-            errors.append(exc)
-        finally:
-            _LOCAL.transport = None
+    def __init__(self, transport: SimTransport) -> None:
+        self.transport = transport
 
-    with _stub_kernels():
-        threads = [threading.Thread(target=rank_main, args=(t,), daemon=True) for t in ts]
-        for th in threads:
-            th.start()
-        for th in threads:
-            th.join(timeout + 5)
-    if errors:
-        raise errors[0]
-    if any(th.is_alive() for th in threads):
-        raise RuntimeError(f"simulated {algorithm} on {n} ranks did not finish")
-    return [t.clock for t in ts]
+    def __repr__(self) -> str:
+        return f"SimKernels(rank {self.transport.rank})"
+
+    def reduce_rows(self, rows: Sequence[np.ndarray] | np.ndarray, out: np.ndarray, acc_dtype: np.dtype[Any],
+                    divisor: float, check: bool) -> bool:
+        """Charge the reduction of all rows but the first and the copy of the first (the star root's own input)."""
+        total = rows.nbytes if isinstance(rows, np.ndarray) else sum(r.nbytes for r in rows)
+        row = rows[0].nbytes if len(rows) else 0
+        self.transport.charge_reduce(total - row, copied=row, operand=row)
+        return True
+
+    def accumulate(self, acc: np.ndarray, x: np.ndarray, scale: float | None, divisor: float | None,
+                   check: bool) -> bool:
+        """Charge the reduction of the incoming ``x``."""
+        self.transport.charge_reduce(x.nbytes)
+        return True
+
+    def is_all_finite(self, buf: np.ndarray) -> bool:
+        """Nothing moved, so nothing is non-finite."""
+        return True
+
+    def scale(self, buf: np.ndarray, factor: float) -> None:
+        """Free in the model."""

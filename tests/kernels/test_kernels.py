@@ -282,9 +282,17 @@ def test_select_backend_unavailable_chains_cause():
     assert ei.value.__cause__ is not None
 
 
-def test_warmup_compiles():
-    names = K.warmup()
-    assert "numba" in names
+def test_warmup_compiles_every_numba_kernel():
+    # In a fresh process, so that kernels compiled by other tests do not count.
+    code = """
+from numba.core.registry import CPUDispatcher
+from gradcoll import kernels as K
+from gradcoll.kernels import numba_cpu, numba_exact, numba_lowp
+assert "numba" in K.warmup()
+print([f"{m.__name__}.{n}" for m in (numba_cpu, numba_lowp, numba_exact) for n, f in vars(m).items()
+       if isinstance(f, CPUDispatcher) and f.targetoptions.get("inline", "never") == "never" and not f.signatures])
+"""
+    assert _run(code) == "[]"
 
 
 def test_no_fastmath_in_finite_checking_kernels():
@@ -334,6 +342,12 @@ names = K.available_backends()
 assert 'cython' not in names and 'cudasim' not in names and 'cuda' not in names, names
 r = K.mean_reduce([np.ones(5, np.float32), np.full(5, 3, np.float32)])
 assert r.tolist() == [2.0] * 5
+import os
+from gradcoll.kernels.select import fast_path, resolve
+os.environ.pop("GRADCOLL_KERNELS", None)
+assert fast_path("reduce") is None and resolve("reduce", 5).NAME == "numba"
+os.environ["GRADCOLL_KERNELS"] = "numpy"  # read with os.environ.get without the extension
+assert resolve("reduce", 5).NAME == "numpy"
 print(names)
 """
     assert "numba" in _run(code, {"NUMBA_ENABLE_CUDASIM": "1"})

@@ -2,14 +2,16 @@
 
 from __future__ import annotations
 
+from pathlib import Path
+
 import numpy as np
 import pytest
 
 from gradcoll import kernels
 from gradcoll.algorithms import DEFAULT_TRANSPORT, SEARCH_BYTES, auto_thresholds, select_allreduce
+from gradcoll.algorithms.simulate import simulate
 from gradcoll.errors import UsageError
 from gradcoll.model.costmodel import ALGORITHMS, AlphaBeta, Node, best, crossovers, fit, out_of_l2, predict, stored_models, terms, work
-from gradcoll.model.sim import simulate
 
 MODEL = AlphaBeta(20e-6, 1 / 2e9, 1 / 5e9)
 
@@ -52,6 +54,25 @@ def test_fit_drops_a_negative_parameter() -> None:
     assert m.alpha_s >= 0 and m.beta_s_per_byte > 0 and m.gamma_s_per_byte >= 0
 
 
+def test_fit_reads_the_current_bench_fields_and_the_earlier_names() -> None:
+    # gradcoll bench --json writes iter_mean_us_avg_over_ranks (the default time_key); rows under the earlier name
+    # time_avg_us fit the same, and so do the stored files, read through load_rows.
+    from gradcoll.cli.bench import load_rows
+
+    rows = [{"algorithm": a, "ranks": n, "size": s, "iter_mean_us_avg_over_ranks": predict(a, n, s, MODEL) * 1e6}
+            for a in ALGORITHMS for n in (2, 4) for s in (1 << 16, 1 << 20, 1 << 24)]
+    earlier = [{**{k: v for k, v in r.items() if not k.startswith("iter_")}, "time_avg_us": r["iter_mean_us_avg_over_ranks"]}
+               for r in rows]
+    assert fit(rows) == fit(earlier)
+    assert fit(rows).beta_s_per_byte == pytest.approx(MODEL.beta_s_per_byte, rel=1e-6)
+    stored = sorted((Path(__file__).resolve().parents[2] / "benches" / "results" / "costmodel").glob("shm_*_2.json"))
+    assert stored, "the stored cost-model measurements are missing"
+    measured = [r for path in stored for r in load_rows(str(path))]
+    assert "iter_mean_us_avg_over_ranks" in measured[0] and "time_avg_us" not in measured[0]
+    m = fit(measured)
+    assert m.alpha_s > 0 and m.beta_s_per_byte + m.gamma_s_per_byte > 0
+
+
 def test_crossovers_are_where_best_changes() -> None:
     for n in (2, 8, 1024):
         for size, before, after in crossovers(MODEL, n):
@@ -69,10 +90,12 @@ def test_sim_runs_real_code_and_matches_closed_form(algorithm: str, n: int, nbyt
     assert max(times) == pytest.approx(predict(algorithm, n, nbytes, MODEL), rel=0.02)
 
 
-def test_sim_restores_the_real_kernels() -> None:
-    acc = kernels.accumulate
+def test_sim_leaves_the_kernels_alone() -> None:
+    # The simulated ranks get their kernels through backend=, so nothing of gradcoll.kernels is replaced.
+    acc, mean = kernels.accumulate, kernels.mean_reduce
     simulate("ring", 4, 1 << 20, MODEL)
-    assert kernels.accumulate is acc
+    simulate("star", 4, 1 << 20, MODEL)
+    assert kernels.accumulate is acc and kernels.mean_reduce is mean
     a = np.ones(4, np.float32)
     kernels.accumulate(a, np.ones(4, np.float32))
     assert a.tolist() == [2.0] * 4

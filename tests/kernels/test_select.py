@@ -1,0 +1,238 @@
+"""The one selection policy (gradcoll.kernels.select): every kind, request and size class picks what the table
+documents; GRADCOLL_KERNELS overrides; an injected backend object gets the calls."""
+
+from __future__ import annotations
+
+import re
+from typing import Any
+
+import numpy as np
+import pytest
+
+import gradcoll
+from gradcoll import kernels as K
+from gradcoll.kernels import select
+from gradcoll.kernels.select import candidates, fast_path, implementation, resolve
+
+SMALL, LARGE = 100, select.SMALL_ELEMS + 1
+REQUESTS = [None, "cython", "numba", "numpy", "cuda", "cudasim"]
+AVAILABLE = K.available_backends()
+
+
+def _documented() -> dict[tuple[str, str | None, bool, bool], tuple[str, ...]]:
+    """The table of the select module's docstring: (kind, request, large, half) -> backends to try."""
+    doc = select.__doc__ or ""
+    lines = [ln for ln in doc.splitlines() if ln.startswith("|") and not ln.startswith("|---")]
+    header = [c.strip(" `") for c in lines[0].strip("|").split("|")]
+    assert header[0] == "kind" and len(header) == 7, header
+    out: dict[tuple[str, str | None, bool, bool], tuple[str, ...]] = {}
+    for line in lines[1:]:
+        cells = [c.strip() for c in line.strip("|").split("|")]
+        kinds, half = cells[0], "float16" in cells[0]
+        kind_names = ("accumulate", "finite", "scale") if half else tuple(k.strip() for k in kinds.split(","))
+        for kind in kind_names:
+            for (request, large), cell in zip([(None, False), (None, True), ("cython", None), ("numba", None),
+                                               ("numpy", None), ("cuda", None)], cells[1:], strict=True):
+                for req in (["cuda", "cudasim"] if request == "cuda" else [request]):
+                    names = tuple(n.strip() for n in cell.split(","))
+                    if names == ("that one",):
+                        names = (str(req),)
+                    for lg in ([large] if large is not None else [False, True]):
+                        out[(kind, req, lg, half)] = names
+    return out
+
+
+DOCUMENTED = _documented()
+
+
+def test_the_docstring_table_covers_every_kind_and_request() -> None:
+    for kind in select.KINDS:
+        for req in REQUESTS:
+            for large in (False, True):
+                assert (kind, req, large, False) in DOCUMENTED, (kind, req, large)
+    assert ("finite", "numba", True, True) in DOCUMENTED
+
+
+def test_every_kind_request_and_size_picks_the_documented_implementation(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.delenv("GRADCOLL_KERNELS", raising=False)
+    for kind in select.KINDS:
+        for request in REQUESTS:
+            for size in (SMALL, LARGE):
+                for half in (False, True):
+                    large = size > select.SMALL_ELEMS
+                    want = DOCUMENTED.get((kind, request, large, half)) or DOCUMENTED[(kind, request, large, False)]
+                    where = (kind, request, size, half)
+                    assert candidates(kind, request, size, half=half) == want, where
+                    loadable = [n for n in want if _loads(n, kind)]
+                    if not loadable:
+                        with pytest.raises(gradcoll.BackendUnavailable):
+                            resolve(kind, size, backend=request, half=half)
+                    else:
+                        assert resolve(kind, size, backend=request, half=half) is implementation(loadable[0], kind), where
+
+
+def _loads(name: str, kind: str) -> bool:
+    try:
+        implementation(name, kind)
+    except gradcoll.BackendUnavailable:
+        return False
+    return True
+
+
+def test_what_this_machine_runs() -> None:
+    """Spelled out for the machine the suite runs on (the extension built, Numba, the CUDA simulator)."""
+    from gradcoll.kernels import cuda, cython_backend, cython_lowp, exact_reference, lowp_reference, numba_cpu, numba_exact, numba_lowp, numpy_backend
+
+    if "cython" not in AVAILABLE:
+        pytest.skip("the compiled extension is not built (pip install -e . with a C compiler)")
+    assert resolve("reduce", SMALL) is cython_backend and resolve("reduce", LARGE) is numba_cpu
+    assert resolve("finite", SMALL) is cython_backend and resolve("scale", LARGE) is numba_cpu
+    assert resolve("accumulate", LARGE, half=True) is numpy_backend
+    assert resolve("lowp", SMALL) is numba_lowp and resolve("lowp", SMALL, backend="cython") is cython_lowp
+    assert resolve("lowp", SMALL, backend="numpy") is lowp_reference
+    assert resolve("exact", SMALL) is numba_exact and resolve("exact", SMALL, backend="cython") is numba_exact
+    assert resolve("exact", SMALL, backend="numpy") is exact_reference
+    assert resolve("reduce", device=True) is cuda and resolve("lowp", device=True, backend="cudasim") is cuda
+
+
+def test_device_arrays_need_a_device_backend(monkeypatch: pytest.MonkeyPatch) -> None:
+    assert candidates("reduce", None, device=True) == ("cuda", "cudasim")
+    with pytest.raises(ValueError, match="device arrays need 'cuda' or 'cudasim'"):
+        resolve("reduce", device=True, backend="numba")
+    monkeypatch.setenv("GRADCOLL_KERNELS", "numpy")  # a host override does not move device arrays
+    assert resolve("reduce", device=True) is implementation("cudasim")
+
+
+def test_unknown_names_are_usage_errors() -> None:
+    with pytest.raises(ValueError, match="unknown kernel backend 'fortran'"):
+        resolve("lowp", 10, backend="fortran")
+    with pytest.raises(ValueError, match="unknown kernel kind"):
+        resolve("fft", 10)
+    with pytest.raises(ValueError, match="unknown kernel backend"):
+        K.encode_wire(np.ones(3, np.float32), backend="fortran")
+
+
+@pytest.mark.parametrize("name", ["numpy", "numba", "cython"])
+def test_gradcoll_kernels_names_the_backend_of_every_kind(name: str, monkeypatch: pytest.MonkeyPatch) -> None:
+    if name not in AVAILABLE:
+        pytest.skip(f"{name} does not load here")
+    monkeypatch.setenv("GRADCOLL_KERNELS", f" {name.upper()} ")  # read stripped, in any case
+    assert select.kernels_env() == name
+    for kind in ("reduce", "accumulate", "finite", "scale"):
+        assert resolve(kind, SMALL) is implementation(name, kind) and resolve(kind, LARGE) is implementation(name)
+    lowp = "numba" if name == "cython" and not _loads("cython", "lowp") else name
+    assert resolve("lowp", SMALL) is implementation(lowp, "lowp")
+    assert resolve("exact", SMALL) is implementation("numpy" if name == "numpy" else "numba", "exact")
+    # And the facade follows it: the compiled fast path only where the table picks cython.
+    assert (fast_path("reduce") is not None) == (name == "cython")
+    x = np.arange(20, dtype=np.float32).reshape(2, 10)
+    assert K.mean_reduce(list(x)).tolist() == ((x[0] + x[1]) / 2).tolist()
+    monkeypatch.delenv("GRADCOLL_KERNELS")
+    assert select.kernels_env() is None
+
+
+def test_fast_path_follows_the_table(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.delenv("GRADCOLL_KERNELS", raising=False)
+    if "cython" not in AVAILABLE:
+        assert fast_path("reduce") is None and fast_path("accumulate", "cython") is None
+        return
+    auto, named = fast_path("reduce"), fast_path("reduce", "cython")
+    assert auto is not None and auto[1] == select.SMALL_ELEMS  # larger buffers go to numba
+    assert named is not None and named[1] > 1 << 40  # cython named: every size
+    assert fast_path("accumulate") is not None
+    for other in ("numba", "numpy", "cudasim"):
+        assert fast_path("reduce", other) is None
+    assert fast_path("finite") is None and fast_path("lowp") is None
+    assert fast_path("reduce", object()) is None  # an injected backend gets every call
+
+
+class Recorder:
+    """A backend object: computes with the NumPy reference and records every call."""
+
+    def __init__(self) -> None:
+        self.calls: list[str] = []
+        from gradcoll.kernels import exact_reference, lowp_reference, numpy_backend
+
+        self._np, self._lp, self._ex = numpy_backend, lowp_reference, exact_reference
+
+    def reduce_rows(self, rows: Any, out: np.ndarray, acc_dtype: Any, divisor: float, check: bool) -> bool:
+        self.calls.append("reduce_rows")
+        return bool(self._np.reduce_rows(rows, out, acc_dtype, divisor, check))
+
+    def accumulate(self, acc: np.ndarray, x: np.ndarray, scale: float | None, divisor: float | None,
+                   check: bool) -> bool:
+        self.calls.append("accumulate")
+        return bool(self._np.accumulate(acc, x, scale, divisor, check))
+
+    def is_all_finite(self, buf: np.ndarray) -> bool:
+        self.calls.append("is_all_finite")
+        return bool(self._np.is_all_finite(buf))
+
+    def scale(self, buf: np.ndarray, factor: float) -> None:
+        self.calls.append("scale")
+        self._np.scale(buf, factor)
+
+    def lowp_encode(self, src: np.ndarray, dst: np.ndarray, wire: str, check: bool) -> bool:
+        self.calls.append("lowp_encode")
+        return bool(self._lp.lowp_encode(src, dst, wire, check))
+
+    def lowp_decode(self, src: np.ndarray, dst: np.ndarray, wire: str) -> None:
+        self.calls.append("lowp_decode")
+        self._lp.lowp_decode(src, dst, wire)
+
+    def lowp_accumulate(self, acc: np.ndarray, x: np.ndarray, wire: str, divisor: float | None, check: bool) -> bool:
+        self.calls.append("lowp_accumulate")
+        return bool(self._lp.lowp_accumulate(acc, x, wire, divisor, check))
+
+    def exact_reduce(self, own: np.ndarray, rows: np.ndarray, out: np.ndarray, divisor: float) -> int:
+        self.calls.append("exact_reduce")
+        return int(self._ex.exact_reduce(own, rows, out, divisor))
+
+
+@pytest.mark.parametrize("m", [SMALL, LARGE])
+def test_an_injected_backend_gets_every_call(m: int, monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("GRADCOLL_KERNELS", "numba")  # an object wins over the override, at every size
+    be = Recorder()
+    rng = np.random.default_rng(m)
+    x = rng.standard_normal((3, m)).astype(np.float32)
+    out = np.empty(m, np.float32)
+    assert K.mean_reduce(list(x), out=out, backend=be) is out
+    assert out.tobytes() == ((x[0] + x[1] + x[2]) / np.float32(3)).tobytes()
+    acc = x[0].copy()
+    K.accumulate(acc, x[1], divide_by=2, backend=be)
+    assert acc.tobytes() == ((x[0] + x[1]) / np.float32(2)).tobytes()
+    K.check_finite(acc, backend=be)
+    K.scale(acc, 2.0, backend=be)
+    K.accumulate(np.ones(4, np.float16), np.ones(4, np.float16), backend=be)  # float16 too
+    w = K.encode_wire(x[0], wire="bf16", backend=be)
+    K.decode_wire(w, wire="bf16", backend=be)
+    K.accumulate_wire(acc, w, "bf16", backend=be)
+    assert K.exact_reduce(x[0], x[1:], out, 3.0, backend=be) == -1
+    assert be.calls == ["reduce_rows", "accumulate", "is_all_finite", "scale", "accumulate", "lowp_encode",
+                        "lowp_decode", "lowp_accumulate", "exact_reduce"]
+    # The facade still explains a non-finite result the object reports.
+    x[2, 7] = np.inf
+    with pytest.raises(gradcoll.NonFiniteError) as ei:
+        K.mean_reduce(x, backend=be)
+    assert (ei.value.contributor, ei.value.index) == (2, 7)
+
+
+def test_an_injected_backend_without_a_kind_is_named() -> None:
+    class OnlyFinite:
+        def is_all_finite(self, buf: np.ndarray) -> bool:
+            return True
+
+    K.check_finite(np.ones(3), backend=OnlyFinite())  # type: ignore[arg-type]
+    with pytest.raises(ValueError, match=r"has no reduce_rows\(\) for the reduce kernels"):
+        K.mean_reduce([np.ones(3)], backend=OnlyFinite())  # type: ignore[arg-type]
+    with pytest.raises(ValueError, match=r"has no lowp_encode\(\)"):
+        K.encode_wire(np.ones(3, np.float32), backend=OnlyFinite())  # type: ignore[arg-type]
+
+
+def test_the_facade_reads_no_private_environ() -> None:
+    import inspect
+
+    from gradcoll.kernels import _compiled, _lowp, _validate
+
+    for mod in (select, K, _compiled, _lowp, _validate):
+        assert not re.search(r"environ\._data", inspect.getsource(mod)), mod.__name__
