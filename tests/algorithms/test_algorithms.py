@@ -215,6 +215,17 @@ def test_overflow_of_the_sum_halts_every_rank(algo: str, n: int) -> None:
         assert e.contributor is None and "overflowed" in str(e)
 
 
+@pytest.mark.parametrize("n", [2, 3])
+def test_ring_overflow_is_marked_at_its_segment(n: int) -> None:
+    count = 32 * n  # segments of 4 float32: eight in every chunk
+    bufs = [np.ones(count, np.float32) for _ in range(n)]
+    for b in bufs:
+        b[count - 2] = 3e38
+    _, errors = run_ranks(n, lambda r, t: ALLREDUCE["ring"](t, bufs[r], op="sum", segment_bytes=16, seq=4))
+    for e in errors:
+        assert isinstance(e, NonFiniteError) and e.contributor is None and e.index == count - 4, errors
+
+
 def test_check_finite_off_passes_nan_through() -> None:
     bufs = [np.ones(5, np.float32) for _ in range(3)]
     bufs[1][0] = np.nan
