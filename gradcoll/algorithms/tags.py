@@ -14,7 +14,7 @@ two together):
 | `0x10000000 .. 0x3FFFFFFF` | front ends | no | node driver `0x3E000001` header, `0x3E000002` body |
 | `0x40000000 .. 0x4FFFFFFF` | collectives after a handshake round | yes | `0x40000000 + (seq mod 2^20) * 256 + phase` |
 | `0x50000000 .. 0x7EFFFFFF` | allreduces over lenient transports | yes | `0x50000000 + (hash(call, variant) mod 0x2F0000) * 256 + phase` |
-| `0x7F000000 .. 0x7FFFFFFE` | agreement records | yes | `0x7F000001` handshake record, `0x7F000002` handshake table, `0x7FFFFFFE` error-path record |
+| `0x7F000000 .. 0x7FFFFFFE` | agreement records | yes | `0x7F000001` handshake record, `0x7F000002` handshake table, `0x7F000003` error-path record |
 
 A collective's *phase-0 tag* is a multiple of 256 and its phases (1..255)
 fill the low byte, so every tag of a collective stays inside its range:
@@ -78,8 +78,9 @@ AGREEMENT_FIRST = 0x7F000000
 NODE_HEADER, NODE_BODY = 0x3E000001, 0x3E000002
 #: The handshake round: a record up to rank 0, the table down to everyone.
 HANDSHAKE_UP, HANDSHAKE_DOWN = 0x7F000001, 0x7F000002
-#: An allreduce error-path record (``gradcoll.algorithms._guard``).
-ALARM = 0x7FFFFFFE
+#: An allreduce error-path record (``gradcoll.algorithms._guard``). Not at the top of the range: the mpi
+#: transport keeps the two tags below MPI's ``TAG_UB`` for its close and abort notices.
+ALARM = 0x7F000003
 
 RANGES = (
     TagRange(0, 0x0FFFFFFF, "user point-to-point messages", False, "any"),
@@ -90,7 +91,7 @@ RANGES = (
     TagRange(DESCRIPTOR_FIRST, DESCRIPTOR_LAST, "allreduces over lenient transports", True,
              "`0x50000000 + (hash(call, variant) mod 0x2F0000) * 256 + phase`"),
     TagRange(AGREEMENT_FIRST, MAX_TAG, "agreement records", True,
-             "`0x7F000001` handshake record, `0x7F000002` handshake table, `0x7FFFFFFE` error-path record"),
+             "`0x7F000001` handshake record, `0x7F000002` handshake table, `0x7F000003` error-path record"),
 )
 
 _SEQ_MASK = (1 << 20) - 1
