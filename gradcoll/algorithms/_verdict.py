@@ -106,8 +106,9 @@ STATUSES = (
     Status(PROTOCOL,  "protocol",   (CollectiveMismatch, ProtocolError),   False),
 )
 
-#: The errors of a collective's links, which a rank records in its table instead of raising them at once.
-LINK_ERRORS = tuple(cls for s in STATUSES if s.names_peer or s.code == PROTOCOL for cls in s.caught)
+#: The errors of a collective's links (every failure status but a bad input), which a rank records in its
+#: table instead of raising them at once.
+LINK_ERRORS = tuple(cls for s in STATUSES if s.code not in (OK, NONFINITE) for cls in s.caught)
 
 
 def status_of(exc: BaseException) -> int:
