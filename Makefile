@@ -3,7 +3,8 @@ PYTHON ?= python3
 VENV ?= .venv
 PY := $(VENV)/bin/python
 STAMP := $(VENV)/.gradcoll-installed
-SRC_DEPS := pyproject.toml setup.py gradcoll/kernels/_cython_kernels.pyx
+SRC_DEPS := pyproject.toml setup.py gradcoll/kernels/_cython_kernels.pyx gradcoll/transport/_window_c.pyx \
+	gradcoll/transport/_window_c.pxd gradcoll/algorithms/_direct_c.pyx
 
 .PHONY: test demo bench docs fuzz faults install clean
 
@@ -41,4 +42,5 @@ docs: $(STAMP)
 	NO_MKDOCS_2_WARNING=1 $(VENV)/bin/mkdocs build --strict -d site
 
 clean:
-	rm -rf build *.egg-info gradcoll/kernels/*.so gradcoll/kernels/_cython_kernels.c
+	rm -rf build *.egg-info gradcoll/*/*.so gradcoll/kernels/_cython_kernels.c gradcoll/transport/_window_c.c \
+		gradcoll/algorithms/_direct_c.c

@@ -1,4 +1,12 @@
-"""Build the optional compiled kernels; gradcoll works without them (Numba/NumPy fallbacks)."""
+"""Build the optional compiled extensions; gradcoll works without them (Numba/NumPy/Python fallbacks).
+
+* ``gradcoll.kernels._cython_kernels``: the reduction kernels with the lowest per-call cost;
+* ``gradcoll.transport._window_c``: the waiting protocol of shared windows (futex, liveness probes);
+* ``gradcoll.algorithms._direct_c``: the direct allreduce over a window, one ``nogil`` call per collective.
+
+Floating-point contraction is off for the window code: the deterministic reduction relies on every
+multiply and add being rounded on its own, as IEEE says (an FMA would change its bits).
+"""
 
 import os
 
@@ -6,12 +14,16 @@ import numpy as np
 from Cython.Build import cythonize
 from setuptools import Extension, setup
 
-ext = Extension(
-    "gradcoll.kernels._cython_kernels",
-    ["gradcoll/kernels/_cython_kernels.pyx"],
-    include_dirs=[np.get_include()],
-    define_macros=[("NPY_NO_DEPRECATED_API", "NPY_1_7_API_VERSION")],
-    extra_compile_args=["-O3"] if os.name != "nt" else [],
-)
+flags = ["-O3"] if os.name != "nt" else []
+macros = [("NPY_NO_DEPRECATED_API", "NPY_1_7_API_VERSION")]
+exts = [
+    Extension("gradcoll.kernels._cython_kernels", ["gradcoll/kernels/_cython_kernels.pyx"],
+              include_dirs=[np.get_include()], define_macros=macros, extra_compile_args=flags),
+    Extension("gradcoll.transport._window_c", ["gradcoll/transport/_window_c.pyx"],
+              extra_compile_args=flags + (["-ffp-contract=off"] if os.name != "nt" else [])),
+    Extension("gradcoll.algorithms._direct_c", ["gradcoll/algorithms/_direct_c.pyx"],
+              include_dirs=[np.get_include()], define_macros=macros,
+              extra_compile_args=flags + (["-ffp-contract=off"] if os.name != "nt" else [])),
+]
 
-setup(ext_modules=cythonize([ext], compiler_directives={"language_level": "3"}))
+setup(ext_modules=cythonize(exts, compiler_directives={"language_level": "3"}))

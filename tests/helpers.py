@@ -90,6 +90,9 @@ def _mpi_main(scenario: str) -> None:
     if scenario == "conformance":
         ran = testing.run_spmd(lambda: mpi.create(None, comm.rank, comm.size, timeout=30), comm.Barrier, large=8 << 20)
         print(f"rank {comm.rank} OK {len(ran)} checks: {' '.join(ran)}", flush=True)
+    elif scenario == "window":
+        ran = testing.run_window_spmd(lambda: mpi.create(None, comm.rank, comm.size, timeout=30), comm.Barrier)
+        print(f"rank {comm.rank} OK {len(ran)} window checks: {' '.join(ran)}", flush=True)
     elif scenario == "specifics":
         import numpy as np
 

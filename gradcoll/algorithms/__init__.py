@@ -18,7 +18,10 @@ predicts fastest):
 
 * ``recursive_doubling``: log2(n) rounds, latency-optimal for small buffers;
 * ``star``: everything through rank 0, two steps, rank-order summation;
-* ``ring``: bandwidth-optimal, pipelined, for large buffers.
+* ``ring``: bandwidth-optimal, pipelined, for large buffers;
+* ``direct``: where the ranks share memory (one host), every rank reads
+  every rank's slot of a shared window (``gradcoll.algorithms.direct``):
+  ``auto`` runs it whenever the transport offers a window.
 
 Every function also takes ``backend=`` (a kernel backend name) where it
 reduces, and ``workspace=`` to reuse scratch buffers across calls.
@@ -34,6 +37,7 @@ from ..model.costmodel import Node, best, crossovers, stored_models
 from .allgather import allgather
 from .barrier import barrier
 from .broadcast import broadcast
+from .direct import direct_allreduce
 from .recursive_doubling import recursive_doubling_allreduce
 from .reduce_scatter import reduce_scatter
 from .ring import ring_allreduce
@@ -45,6 +49,7 @@ __all__ = [
     "ring_allreduce",
     "star_allreduce",
     "recursive_doubling_allreduce",
+    "direct_allreduce",
     "broadcast",
     "allgather",
     "reduce_scatter",
@@ -59,6 +64,7 @@ ALLREDUCE: dict[str, Callable[..., object]] = {
     "ring": ring_allreduce,
     "star": star_allreduce,
     "recursive_doubling": recursive_doubling_allreduce,
+    "direct": direct_allreduce,
 }
 
 #: Where "auto" looks for crossovers: below the first size the algorithm that wins there, above the last the one that wins there.
@@ -89,14 +95,18 @@ def auto_thresholds(size: int, transport: str | None = None) -> tuple[tuple[int,
     return tuple(out)
 
 
-def select_allreduce(nbytes: int, size: int, transport: str | None = None) -> str:
+def select_allreduce(nbytes: int, size: int, transport: str | None = None, shared_memory: bool = False) -> str:
     """The algorithm ``algorithm="auto"`` runs for a buffer of ``nbytes`` on ``size`` ranks over ``transport``.
 
-    The one the cost model predicts fastest (docs/scaling.md, "Crossovers and
+    ``direct`` whenever the ranks share memory (``shared_memory``: the
+    transport offers a window, ``Transport.shared_memory``) and there are
+    two or more. Otherwise the one the cost model predicts fastest (docs/scaling.md, "Crossovers and
     ``algorithm="auto"``"): the thresholds come from [`auto_thresholds`][gradcoll.algorithms.auto_thresholds],
     computed once per world size and transport name (``"shm"``, ``"tcp"``;
     other names and None use the ``DEFAULT_TRANSPORT`` model), so a call is
     a cached lookup and a bisection.
     """
+    if shared_memory and size > 1:
+        return "direct"
     table = auto_thresholds(size, transport)
     return table[bisect.bisect_right(table, (nbytes, "~")) - 1][1]

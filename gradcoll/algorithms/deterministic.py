@@ -81,6 +81,11 @@ def deterministic_allreduce(transport: Transport, buf: np.ndarray, *, algorithm:
         raise UsageError(f"deterministic allreduce takes op 'mean' or 'sum', got {op!r}")
     if algorithm not in ALLREDUCE:
         raise UsageError(f"unknown allreduce algorithm {algorithm!r}; known: {', '.join(ALLREDUCE)}")
+    if algorithm == "direct":  # on the shared window, with the same exact kernel
+        from .direct import direct_exact
+
+        return direct_exact(transport, buf, op=op, check_finite=check_finite, seq=seq, timeout=timeout,
+                            backend=backend)
     divisor = float(transport.size) if op == "mean" else 1.0
     schedule = _SCHEDULES[algorithm]
 

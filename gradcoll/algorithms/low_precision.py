@@ -77,10 +77,15 @@ def wire_allreduce(transport: Transport, buf: np.ndarray, *, wire: str | None = 
         raise UsageError("wire_allreduce needs wire= for a float32 buffer")
     if op not in ("mean", "sum"):
         raise UsageError(f"a low-precision wire allreduce takes op 'mean' or 'sum', got {op!r}")
-    if algorithm not in _SCHEDULES:
+    if algorithm not in _SCHEDULES and algorithm != "direct":
         raise UsageError(f"unknown allreduce algorithm {algorithm!r} for the wire path")
     if transport.size == 1:
         return buf  # nothing travels, so nothing is rounded (nor checked)
+    if algorithm == "direct":  # the slots hold the wire values, the sums are float32
+        from .direct import direct_wire
+
+        return direct_wire(transport, buf, wire=fmt, op=op, check_finite=check_finite, seq=seq, timeout=timeout,
+                           backend=backend)
     opts = Options(op, check_finite, seq, timeout, workspace, backend)
     job = _Wire(buf.reshape(-1), fmt, algorithm, opts)
     return guarded_allreduce(transport, buf, opts, name=f"{algorithm} allreduce ({fmt} wire)", algo=algorithm,

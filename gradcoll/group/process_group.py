@@ -307,7 +307,7 @@ class ProcessGroup:
 
     def _pick(self, algorithm: str, nbytes: int) -> str:
         if algorithm == "auto":
-            return select_allreduce(nbytes, self.size, self.transport.name)
+            return select_allreduce(nbytes, self.size, self.transport.name, self.transport.shared_memory)
         if algorithm not in ALLREDUCE:
             raise UsageError(f"unknown allreduce algorithm {algorithm!r}; known: auto, {', '.join(ALLREDUCE)}")
         return algorithm

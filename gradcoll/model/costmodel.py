@@ -105,11 +105,16 @@ import numpy as np
 
 from ..errors import UsageError
 
-__all__ = ["AlphaBeta", "Node", "Work", "ALGORITHMS", "PARAMETERS", "terms", "work", "predict", "best", "fit",
-           "crossovers", "busbw", "link_model", "stored_models", "FITTED_PATH", "EARLIER_TIME_KEYS"]
+__all__ = ["AlphaBeta", "Node", "Work", "ALGORITHMS", "DIRECT_MODES", "PARAMETERS", "terms", "work", "predict", "best",
+           "fit", "crossovers", "busbw", "link_model", "stored_models", "FITTED_PATH", "EARLIER_TIME_KEYS",
+           "direct_one_shot_bytes", "WINDOW_MODEL"]
 
-#: The algorithms the model covers.
+#: The algorithms over links the model covers (``algorithm="auto"`` chooses among them where memory is not shared).
 ALGORITHMS = ("ring", "star", "recursive_doubling")
+#: The two schedules of the direct allreduce over a shared window (``gradcoll.algorithms.direct``).
+DIRECT_MODES = ("direct_one_shot", "direct_two_shot")
+#: The stored model of the shared window (its alpha is one publish-and-wait, not a message).
+WINDOW_MODEL = "window"
 
 #: The linear parameters ``fit`` can estimate, in this order.
 PARAMETERS = ("alpha_s", "switch_s", "beta_s_per_byte", "gamma_s_per_byte", "delta_s_per_byte", "mem_s_per_byte",
@@ -220,7 +225,12 @@ def work(algorithm: str, n: int, nbytes: float) -> Work:
         other_cp = (r * 2 * s + (r - 1) * (2 * rounds + 2) * s + (p - r) * 2 * rounds * s) / (n - 1)
         return Work(rounds + 2.0, (rounds + 2) * s, (rounds + 1) * s, (2.0 * rounds + 2) * s, other_red, other_cp,
                     2.0 * s, s)
-    raise UsageError(f"unknown algorithm {algorithm!r}; the model covers {', '.join(ALGORITHMS)}")
+    if algorithm == "direct_one_shot":  # copy in, one sync, every rank adds all n slots into its own buffer
+        return Work(1.0, 0.0, (n - 1) * s, s, (n - 1) * s, s, 0.0, s)
+    if algorithm == "direct_two_shot":  # copy in, sync, reduce a 1/n share, sync, copy every share out
+        c = s / n
+        return Work(2.0, 0.0, (n - 1) * c, 2.0 * s, (n - 1) * c, 2.0 * s, 0.0, c)
+    raise UsageError(f"unknown algorithm {algorithm!r}; the model covers {', '.join(ALGORITHMS + DIRECT_MODES)}")
 
 
 def terms(algorithm: str, n: int, nbytes: float) -> tuple[float, float, float]:
@@ -312,8 +322,8 @@ def fit(rows: Iterable[Mapping[str, Any]], *, time_key: str = "iter_mean_us_avg_
     t_rows: list[float] = []
     for row in rows:
         algo = str(row["algorithm"])
-        if algo not in ALGORITHMS:
-            raise UsageError(f"row has algorithm {algo!r}; fit needs rows of {', '.join(ALGORITHMS)}")
+        if algo not in ALGORITHMS + DIRECT_MODES:
+            raise UsageError(f"row has algorithm {algo!r}; fit needs rows of {', '.join(ALGORITHMS + DIRECT_MODES)}")
         data.append((algo, int(row["ranks"]), float(row["size"]), _row_node(row)))
         key = time_key if time_key in row else EARLIER_TIME_KEYS.get(time_key, time_key)
         t_rows.append(float(row[key]) * 1e-6)
@@ -390,3 +400,27 @@ def stored_models(path: str = FITTED_PATH) -> dict[str, tuple[AlphaBeta, float |
         cores = entry.get("cores")
         out[name] = (model, None if cores is None else float(cores), int(entry["max_ranks"]))
     return out
+
+
+#: Where one-shot gives way to two-shot when no window model is stored (bytes).
+DEFAULT_ONE_SHOT_BYTES = 64 << 10
+
+
+@functools.cache
+def direct_one_shot_bytes(n: int, path: str = FITTED_PATH) -> int:
+    """The largest buffer the direct allreduce runs one-shot on ``n`` ranks: below the stored window model's
+    crossover to two-shot (``DEFAULT_ONE_SHOT_BYTES`` without one)."""
+    if n <= 2:
+        n_model = n
+    else:
+        n_model = n
+    models = stored_models(path)
+    entry = models.get(WINDOW_MODEL)
+    if entry is None or n < 2:
+        return DEFAULT_ONE_SHOT_BYTES
+    model, cores, max_ranks = entry
+    node = Node(n_model, cores) if cores is not None and n <= max_ranks else None
+    for at, before, after in crossovers(model, n, lo=1 << 10, hi=1 << 30, algorithms=DIRECT_MODES, node=node):
+        if before == "direct_one_shot" and after == "direct_two_shot":
+            return at - 4
+    return (1 << 30) if best(n, 1 << 20, model, DIRECT_MODES, node=node) == "direct_one_shot" else 0

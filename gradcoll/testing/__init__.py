@@ -11,6 +11,10 @@ The suite covers ordering, tags, zero-length and large messages, full-duplex
 ``sendrecv`` (pair and ring), tag/length mismatches, timeouts, orderly close
 by the peer and locally, invalid peers and buffers, withdrawing requests
 (``cancel``), lenient tags, wait accounting (``note_wait``) and dead peers.
+Transports whose ranks share memory also pass the window checks
+(``window_checks``: ``check_window``, ``run_window_check``): layout,
+publish-then-read, descriptors, timeouts naming the late ranks, waiting
+without a core, closes, alarms, and a peer killed while others wait.
 
 Modules: ``checks`` (the per-rank programs), ``conformance`` (running
 them), ``runners`` (ranks as threads: ``run_ranks``, ``gather_ranks``,
@@ -23,6 +27,7 @@ from .checks import CHECKS
 from .checks import LARGE as LARGE
 from .conformance import PROCESS_CHECKS, check_transport, run_check, run_spmd
 from .runners import gather_ranks, run_ranks, threaded_group
+from .window_checks import WINDOW_CHECKS, check_window, run_window_check, run_window_spmd
 
 __all__ = [
     "threaded_group",
@@ -33,4 +38,8 @@ __all__ = [
     "run_spmd",
     "CHECKS",
     "PROCESS_CHECKS",
+    "WINDOW_CHECKS",
+    "check_window",
+    "run_window_check",
+    "run_window_spmd",
 ]

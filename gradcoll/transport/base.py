@@ -48,17 +48,31 @@ Contract (checked by ``gradcoll.testing.check_transport``):
   waited for in ``missing``. ``closed`` is True once this rank's own
   ``close()`` ran (a collective then says "this rank's transport was
   closed", not "the peer closed the link").
+* ``shared_memory`` and ``window(nbytes)``: a transport whose ranks all share
+  one host's memory (``shm``, ``inproc``, ``mpi`` on one node) sets
+  ``shared_memory`` True, the same on every rank, and its ``window`` maps a
+  [`Window`][gradcoll.transport.base.Window]: one segment in which every
+  rank owns a slot and a header (``MPI_Win_allocate_shared`` in MPI-3). It
+  is collective: every rank calls it, in the same order, with the same
+  ``nbytes``. Other transports return None. ``group_window()`` is the one
+  window the collectives share (``GROUP_WINDOW_BYTES`` a rank, made at its
+  first call). ``close()`` closes every window of the transport.
 """
 
 from __future__ import annotations
 
 import abc
-from typing import Any, Protocol
+from collections.abc import Sequence
+from typing import Any, NamedTuple, Protocol
 
 from .._util import Deadline
 from ..errors import CollectiveTimeout, UsageError
 
-__all__ = ["Transport", "Request", "QueuedRequest", "Deadline", "as_bytes_view", "as_writable_view"]
+__all__ = ["Transport", "Request", "QueuedRequest", "Deadline", "as_bytes_view", "as_writable_view", "Window",
+           "WindowLayout", "GROUP_WINDOW_BYTES"]
+
+#: Bytes of each rank's slot in the window the collectives share (``Transport.group_window``).
+GROUP_WINDOW_BYTES = 4 << 20
 
 
 def as_bytes_view(buf: Any) -> memoryview:
@@ -130,6 +144,123 @@ class QueuedRequest(Request):
         return self._t._cancel(self)
 
 
+class WindowLayout(NamedTuple):
+    """Where a window lives, for compiled code that reads it directly (``gradcoll.transport.window`` has the layout).
+
+    ``address`` is the mapping's first byte in this process; rank ``r``'s
+    header is at ``address + headers + r * header_bytes``, its slot at
+    ``address + slots + r * stride``. ``probe`` says how a waiting rank
+    learns that a peer died: 0 never (the ranks are threads of one process),
+    1 the peer's ``lockf`` byte ``r`` of file ``fd``, 2 its ``pid`` (below
+    ``mpirun``).
+    """
+
+    address: int
+    size: int
+    rank: int
+    headers: int
+    header_bytes: int
+    slots: int
+    stride: int
+    slot_bytes: int
+    probe: int
+    fd: int
+
+
+class Window(abc.ABC):
+    """Memory every rank of one host maps: a slot and a small header per rank (see ``gradcoll.transport.window``).
+
+    Every rank reads every slot and header; a rank writes only its own: its
+    slot, its ``COUNTERS`` progress counters, its ring of ``DESCRIPTORS``
+    64-byte descriptors, its state and its 64-byte alarm record. Counters
+    only grow. The promises, checked by ``gradcoll.testing.check_window``:
+
+    * ``publish(i, v)`` makes every store this rank made before it (into its
+      slot, its descriptors) visible before counter ``i`` reads ``v``, and
+      wakes the ranks waiting for it;
+    * ``wait(ranks, i, v, timeout)`` returns once counter ``i`` of every rank
+      in ``ranks`` is at least ``v``. It spins briefly, then sleeps in the
+      kernel (a futex on the counter's word), so a waiting rank never takes
+      the core of the rank it waits for. It raises ``CollectiveTimeout``
+      whose ``missing`` are exactly the ranks still below ``v``,
+      ``TransportBroken`` naming a rank that died (detected within
+      ``PROBE_S``), ``TransportClosed`` naming a rank that closed its window
+      before it got there (or this rank, when its own window was closed), and
+      ``WindowAlarm`` naming a rank that raised an alarm;
+    * ``alarm(record)`` is sticky: the window is failed for good (its group
+      is poisoned), every waiter of every rank wakes;
+    * ``close()`` is idempotent; the segment's name never outlives the
+      window's creation (nothing is left behind in ``/dev/shm``, even when a
+      rank is killed).
+    """
+
+    #: Progress counters per rank, descriptors in each rank's ring.
+    COUNTERS = 7
+    DESCRIPTORS = 8
+    rank: int
+    size: int
+    #: Bytes of each slot (64-byte aligned).
+    slot_bytes: int
+    closed: bool
+    #: Per-window state of the algorithms that use it (lives as long as the window).
+    cache: dict[str, Any]
+
+    @abc.abstractmethod
+    def slot(self, rank: int) -> Any:
+        """Rank ``rank``'s slot: a writable ``uint8`` NumPy array of ``slot_bytes``."""
+
+    @abc.abstractmethod
+    def counter(self, rank: int, index: int) -> int:
+        """Counter ``index`` of rank ``rank``."""
+
+    @abc.abstractmethod
+    def publish(self, index: int, value: int) -> None:
+        """Set this rank's counter ``index`` to ``value`` (after everything stored before) and wake its waiters."""
+
+    @abc.abstractmethod
+    def wait(self, ranks: Sequence[int], index: int, value: int, timeout: float | None = None) -> None:
+        """Return once counter ``index`` of every rank in ``ranks`` is ``>= value`` (see the class docstring)."""
+
+    @abc.abstractmethod
+    def describe(self, k: int, desc: bytes) -> None:
+        """Store this rank's descriptor ``k`` (mod ``DESCRIPTORS``), 64 bytes."""
+
+    @abc.abstractmethod
+    def descriptor(self, rank: int, k: int) -> bytes:
+        """Rank ``rank``'s descriptor ``k`` (mod ``DESCRIPTORS``)."""
+
+    @abc.abstractmethod
+    def report(self, rank: int) -> Any:
+        """Rank ``rank``'s 64-byte report (a ``uint8`` array; this rank writes its own): the algorithms' to use."""
+
+    @abc.abstractmethod
+    def alarm(self, record: bytes) -> None:
+        """Fail the window for good with this rank's 64-byte ``record``; wake every waiter of every rank."""
+
+    @abc.abstractmethod
+    def wait_alarms(self, ranks: Sequence[int], timeout: float | None) -> None:
+        """Return once every rank in ``ranks`` raised an alarm, closed its window or died, or ``timeout`` passed."""
+
+    @abc.abstractmethod
+    def alarm_record(self, rank: int) -> bytes | None:
+        """The record of rank ``rank``'s alarm, or None while it raised none."""
+
+    @abc.abstractmethod
+    def state(self, rank: int) -> str:
+        """``"open"``, ``"closed"``, ``"alarm"`` or, for a process that died, ``"dead"``."""
+
+    @abc.abstractmethod
+    def layout(self) -> WindowLayout:
+        """The addresses compiled code reads the window at (valid until ``close``)."""
+
+    @abc.abstractmethod
+    def close(self) -> None:
+        """Mark this rank's part closed, wake waiters, unmap once no view is left. Idempotent."""
+
+    def __repr__(self) -> str:
+        return f"<{type(self).__name__} rank={self.rank} size={self.size} slot={self.slot_bytes}{' closed' if self.closed else ''}>"
+
+
 class Transport(abc.ABC):
     """Point-to-point byte transport between ``size`` ranks."""
 
@@ -146,6 +277,8 @@ class Transport(abc.ABC):
     timeout: float
     #: True once ``close()`` was called on this transport.
     closed: bool
+    #: True when every rank shares this host's memory: ``window`` then maps a ``Window``.
+    shared_memory: bool = False
 
     def __init__(self, rank: int, size: int, timeout: float = 300.0) -> None:
         if size < 1:
@@ -156,6 +289,8 @@ class Transport(abc.ABC):
         self.size = size
         self.timeout = timeout
         self.closed = False
+        self._windows: list[Window] = []
+        self._group_window: Window | None = None
 
     # -- helpers for implementations -------------------------------------
     def _check_peer(self, peer: int) -> None:
@@ -211,6 +346,26 @@ class Transport(abc.ABC):
         n = rreq.wait(deadline.remaining())
         sreq.wait(deadline.remaining())
         return n
+
+    def window(self, nbytes: int, timeout: float | None = None) -> Window | None:
+        """Collective: map a new window with a slot of ``nbytes`` per rank, or None where memory is not shared."""
+        return None
+
+    def group_window(self, timeout: float | None = None) -> Window | None:
+        """The window the collectives share (collective at its first call), or None where memory is not shared."""
+        if self._group_window is None and self.shared_memory:
+            self._group_window = self.window(GROUP_WINDOW_BYTES, timeout)
+        return self._group_window
+
+    def _keep_window(self, win: Window) -> Window:
+        """For implementations: remember ``win`` so that ``close`` closes it."""
+        self._windows.append(win)
+        return win
+
+    def _close_windows(self) -> None:
+        """For implementations: close every window (part of ``close``)."""
+        for win in self._windows:
+            win.close()
 
     @abc.abstractmethod
     def close(self) -> None:

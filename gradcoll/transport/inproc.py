@@ -21,6 +21,11 @@ from messages it already sent, and every later send to it, raise
 [`TransportClosed`][gradcoll.errors.TransportClosed] on the peer; the closing rank's own
 pending receives fail the same way. Nothing ever blocks past its timeout.
 
+``window(nbytes)`` is collective, as on every transport: the k-th call of
+each rank maps the k-th window of the world, an anonymous mapping rank 0
+makes (``gradcoll.transport.window``; threads never die alone, so nobody is
+probed for liveness).
+
 Worlds are created directly with ``create_world``, or by ``size`` threads
 calling ``create`` with one shared store. ``create`` needs to hand the
 world object from rank 0's thread to the others; the store can only carry
@@ -33,6 +38,9 @@ the id through the store.
 from __future__ import annotations
 
 import collections
+import mmap
+import os
+import struct
 import threading
 import uuid
 import weakref
@@ -44,7 +52,8 @@ from .._util import Deadline
 from ..errors import TransportClosed, UsageError
 from ..store import Store
 from . import frame as fr
-from .base import Request, Transport, as_bytes_view, as_writable_view
+from .base import Request, Transport, Window, as_bytes_view, as_writable_view
+from .window import LAYOUT, MappedWindow, init_header, plan
 
 __all__ = ["InprocTransport", "InprocWorld", "create_world", "create"]
 
@@ -142,6 +151,8 @@ class InprocWorld:
         self.size = size
         self.pairs = {(s, d): _Pair() for s in range(size) for d in range(size) if s != d}
         self.closed = [False] * size
+        self.windows: dict[int, mmap.mmap] = {}  # the k-th window of the world, until every rank has taken it
+        self.window_cv = threading.Condition()
 
     def close_rank(self, rank: int) -> None:
         """Mark ``rank`` closed and fail every receive that can no longer be served."""
@@ -170,10 +181,33 @@ class InprocTransport(Transport):
     name = "inproc"
     #: Receives with tags >= LENIENT_TAG report a mismatch with the message attached.
     lenient_tags = True
+    shared_memory = True
 
     def __init__(self, world: InprocWorld, rank: int, timeout: float = 300.0) -> None:
         super().__init__(rank, world.size, timeout)
         self.world = world
+        self._nwin = 0
+
+    def window(self, nbytes: int, timeout: float | None = None) -> Window:
+        """Collective: the next window of the world, with ``nbytes`` a slot (rank 0 maps it)."""
+        world, k = self.world, self._nwin
+        self._nwin += 1
+        total, headers, _, _ = plan(self.size, nbytes)
+        with world.window_cv:
+            if self.rank == 0:
+                mm = mmap.mmap(-1, total)
+                init_header(mm, self.size, nbytes)
+                world.windows[k] = mm
+                world.window_cv.notify_all()
+            elif not world.window_cv.wait_for(lambda: k in world.windows or world.closed[0],
+                                              self._timeout(timeout)):
+                raise self._timeout_error(f"window setup {k}", 0, self._timeout(timeout))
+            mm = world.windows.get(k)  # type: ignore[assignment]
+            if mm is None:
+                raise TransportClosed(f"rank {self.rank}: peer 0 closed before window {k} was made", rank=self.rank,
+                                      peer=0)
+        struct.pack_into("<Q", mm, headers + self.rank * 1024 + LAYOUT["pid"], os.getpid())
+        return self._keep_window(MappedWindow(mm, self.rank, self.size, probe=0))
 
     def _closed_error(self, peer: int) -> TransportClosed:
         if self.closed:
@@ -234,10 +268,13 @@ class InprocTransport(Transport):
         return req
 
     def close(self) -> None:
-        """Close this rank's links; peers waiting on it get TransportClosed. Idempotent."""
+        """Close this rank's links and windows; peers waiting on it get TransportClosed. Idempotent."""
         if not self.closed:
             self.closed = True
             self.world.close_rank(self.rank)
+            self._close_windows()
+            with self.world.window_cv:
+                self.world.window_cv.notify_all()
 
 
 def create_world(size: int, timeout: float = 300.0) -> list[InprocTransport]:

@@ -14,6 +14,17 @@ honours its timeout.
 
 MPI itself decides what happens when a rank dies: under ``mpirun`` the job is
 normally torn down, so dead-peer detection is not this module's business.
+
+Windows: when every rank of the communicator is on one node
+(``Split_type(COMM_TYPE_SHARED)`` spans it all), ``shared_memory`` is True
+and ``window`` maps one with ``MPI.Win.Allocate_shared`` on that node
+communicator: rank 0 allocates the whole segment (contiguous, the layout of
+``gradcoll.transport.window``), every rank maps it with ``Shared_query``.
+An ``Ibarrier`` polled until the timeout comes first, so that the blocking
+allocation only starts once every rank is there. Like the communicator, an
+MPI window is never freed (``MPI_Win_free`` is collective: a rank closing
+early would hang in it); MPI releases it at finalize. Liveness is the peer's
+pid (``kill(pid, 0)``).
 """
 
 from __future__ import annotations
@@ -23,10 +34,13 @@ import time
 from collections import deque
 from typing import Any
 
+import numpy as np
+
 from .._util import Deadline
 from ..errors import BackendUnavailable, CollectiveMismatch, TransportBroken, TransportClosed, UsageError
 from ..store import Store
-from .base import QueuedRequest, Request, Transport, as_bytes_view, as_writable_view
+from .base import QueuedRequest, Request, Transport, Window, as_bytes_view, as_writable_view
+from .window import LAYOUT, MappedWindow, init_header, plan
 
 __all__ = ["MpiTransport", "create"]
 
@@ -78,6 +92,45 @@ class MpiTransport(Transport):
         self._seq = [[0, 0] for _ in range(self.size)]  # per peer: [next send, next recv]
         self._failure: list[tuple[type, str] | None] = [None] * self.size
         self._status = mpi.Status()
+        self._node = comm.Split_type(mpi.COMM_TYPE_SHARED)
+        self.shared_memory = self._node.Get_size() == self.size
+        self._mpi_windows: list[Any] = []  # never freed (see the module docstring)
+
+    def window(self, nbytes: int, timeout: float | None = None) -> Window | None:
+        """Collective: a window over ``MPI.Win.Allocate_shared`` on the node, or None when ranks span nodes."""
+        if not self.shared_memory:
+            return None
+        import os
+        import struct
+
+        MPI, node = self._MPI, self._node
+        total, headers, _, _ = plan(self.size, nbytes)
+        self._barrier(timeout, "window allocation")
+        win = MPI.Win.Allocate_shared(total + 4096 if self.rank == 0 else 0, 1, comm=node)
+        self._mpi_windows.append(win)
+        buf, _ = win.Shared_query(0)
+        whole = np.frombuffer(buf, np.uint8)
+        # MPI aligns the segment to a few bytes only: the window starts at rank 0's next page boundary (every
+        # rank maps the segment at the same offset within a page, so the same pad works everywhere).
+        pad = node.bcast((-whole.ctypes.data) % 4096 if self.rank == 0 else None, root=0)
+        if (whole.ctypes.data + pad) % 64:
+            raise BackendUnavailable(f"rank {self.rank}: the MPI shared segment maps at another page offset here")
+        mem = memoryview(whole[pad: pad + total])
+        if self.rank == 0:  # MPI does not zero it
+            mem[: headers + self.size * 1024] = bytes(headers + self.size * 1024)
+            init_header(mem, self.size, nbytes)
+        self._barrier(timeout, "window set-up")
+        struct.pack_into("<Q", mem, headers + self.rank * 1024 + LAYOUT["pid"], os.getpid())
+        self._barrier(timeout, "window set-up")
+        return self._keep_window(MappedWindow(mem, self.rank, self.size, probe=2))
+
+    def _barrier(self, timeout: float | None, what: str) -> None:
+        req = self._node.Ibarrier()
+        deadline = Deadline(self._timeout(timeout))
+        while not req.Test():
+            if deadline.expired():
+                raise self._timeout_error(what, -1, deadline.timeout)
+            time.sleep(1e-4)
 
     def _start(self, peer: int, view: memoryview, tag: int, is_send: bool) -> _Op:
         self._check_peer(peer)
@@ -222,6 +275,7 @@ class MpiTransport(Transport):
             if self.closed:
                 return
             self.closed = True
+            self._close_windows()
             byes = [
                 self._comm.Isend([b"", self._MPI.BYTE], dest=p, tag=self._close_tag)
                 for p in range(self.size)

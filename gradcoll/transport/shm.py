@@ -31,7 +31,9 @@ from ..errors import BackendUnavailable, ProtocolError, TransportBroken, Transpo
 from ..store import Store
 from . import frame as fr
 from ._engine import FramedTransport, Link
+from .base import Window
 from .shm_segment import PREFIX, W_HEAD, W_STATE, W_TAIL, Segment, clean_stale_segments, connect, default_dir
+from .window_shm import create as create_window
 
 __all__ = ["ShmTransport", "create", "clean_stale_segments", "PREFIX", "RING_BYTES"]
 
@@ -67,6 +69,9 @@ class ShmTransport(FramedTransport):
 
     name = "shm"
     _eager_pull = True
+    shared_memory = True
+    #: Where the segments live (``create``'s ``shm_dir``); the windows go there too.
+    shm_dir: str | None = None
 
     def __init__(self, rank: int, size: int, links: dict[int, _RingLink], timeout: float = 300.0) -> None:
         super().__init__(rank, size, dict(links), timeout)
@@ -209,10 +214,15 @@ class ShmTransport(FramedTransport):
             if not self._push(link):
                 time.sleep(0)
 
+    def window(self, nbytes: int, timeout: float | None = None) -> Window:
+        """Collective: a new window of ``nbytes`` a slot (``gradcoll.transport.window_shm``)."""
+        return self._keep_window(create_window(self, nbytes, timeout, self.shm_dir))
+
     def close(self) -> None:
         """Flush queued sends, mark every link closed, unmap and unlink the segments."""
         if self.closed:
             return
+        self._close_windows()
         self._close_links(self._goodbye)
         for link in self._rings:
             link.out.release()
@@ -267,4 +277,6 @@ def create(
         )
     segs = connect(store, rank, size, Deadline(timeout), ring_bytes=ring_bytes, directory=shm_dir or default_dir(),
                    key_prefix=key_prefix)
-    return ShmTransport(rank, size, {peer: _RingLink(peer, seg) for peer, seg in segs.items()}, timeout)
+    transport = ShmTransport(rank, size, {peer: _RingLink(peer, seg) for peer, seg in segs.items()}, timeout)
+    transport.shm_dir = shm_dir
+    return transport

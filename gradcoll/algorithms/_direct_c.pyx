@@ -1,0 +1,694 @@
+# cython: language_level=3, boundscheck=False, wraparound=False, cdivision=True, initializedcheck=False
+"""The direct allreduce over a shared window, compiled: a whole batch of pieces in one ``nogil`` call.
+
+``gradcoll.algorithms.direct`` plans the collective (one-shot or two-shot,
+the pieces, the descriptor) and calls ``Plan.run`` once per batch of
+pieces; everything between, copying in, publishing, waiting, reducing,
+publishing and copying out, runs here without the interpreter. The waiting
+protocol is the transport's (``gradcoll.transport._window_c``, cimported).
+Counters: 0 arrived (a piece is in this rank's slot), 1 reduced (its share
+is in its result ring), 2 done (it no longer reads anyone's slot for that
+piece). A piece of tick ``t`` sits in ring buffer ``t % depth`` of every
+slot; before overwriting one, a rank waits until every rank is done with
+tick ``t - depth``.
+
+Kernels: the sums add the ranks' slots in rank order 0..n-1 (then divide
+once), in 2,048-element blocks with the branch-free finite check of
+``gradcoll.kernels``; ``exact`` is the reduction of
+``gradcoll.kernels.exact_reference`` (same bits as ``exact_reduce``);
+``bf16``/``fp16`` widen the wire values, sum in float32 and round the
+result to the wire format once (the rules of ``lowp_reference``).
+"""
+
+cimport numpy as cnp
+from libc.stdint cimport int64_t, uint16_t, uint32_t, uint64_t
+from libc.string cimport memcmp, memcpy, memset
+
+from gradcoll.transport._window_c cimport (
+    H_COUNTERS, H_DESCRIPTORS, H_REPORT, HEADER_BYTES, N_DESCRIPTORS, W_OK, WinC,
+    win_fill, win_now, win_publish, win_wait_all,
+)
+
+cnp.import_array()
+
+cdef extern from *:
+    """
+    #include <math.h>
+    #include <stdint.h>
+    #include <string.h>
+    #define GCD_BLOCK 2048
+    static const double GCD_MAGIC = 6755399441055744.0;  /* 1.5 * 2**52: (y + M) - M rounds y half to even */
+    static inline double gcd_bits(int64_t b) { double d; memcpy(&d, &b, 8); return d; }
+
+    /* exact reduction (gradcoll.kernels.exact_reference), float32 contributions */
+    static int gcd_exact_f32(const float* const* xs, int n, int64_t m, float* out, double div, double recip,
+                             double limit, int64_t hi, int64_t lo, int64_t bmin) {
+        int bad = 0;
+        if (n == 2) {
+            for (int64_t i = 0; i < m; i++) {
+                double r = (double)xs[0][i] + (double)xs[1][i];
+                r = recip > 0 ? r * recip : r / div;
+                out[i] = (float)r;
+                bad |= !(fabs(r) < limit);
+            }
+            return bad;
+        }
+        uint32_t mb[GCD_BLOCK];
+        double acc[GCD_BLOCK], plain[GCD_BLOCK];
+        for (int64_t i0 = 0; i0 < m; i0 += GCD_BLOCK) {
+            int64_t w = m - i0 < GCD_BLOCK ? m - i0 : GCD_BLOCK;
+            for (int64_t j = 0; j < w; j++) { uint32_t u; memcpy(&u, &xs[0][i0 + j], 4); mb[j] = u & 0x7FFFFFFFu; }
+            for (int r = 1; r < n; r++)
+                for (int64_t j = 0; j < w; j++) {
+                    uint32_t u; memcpy(&u, &xs[r][i0 + j], 4); u &= 0x7FFFFFFFu; mb[j] = u > mb[j] ? u : mb[j];
+                }
+            for (int r = 0; r < n; r++)
+                for (int64_t j = 0; j < w; j++) {
+                    int64_t b = (int64_t)(mb[j] >> 23); if (b < bmin) b = bmin;
+                    double sc = gcd_bits((hi - b) << 52), x = (double)xs[r][i0 + j];
+                    double y = (x * sc + GCD_MAGIC) - GCD_MAGIC;
+                    if (r == 0) { acc[j] = y; plain[j] = x; } else { acc[j] += y; plain[j] += x; }
+                }
+            for (int64_t j = 0; j < w; j++) {
+                int64_t b = (int64_t)(mb[j] >> 23), be = b < bmin ? bmin : b;
+                double res = (b == 0xFF || mb[j] == 0) ? plain[j] : acc[j] * gcd_bits((be + lo) << 52);
+                double r = recip > 0 ? res * recip : res / div;
+                out[i0 + j] = (float)r;
+                bad |= !(fabs(r) < limit);
+            }
+        }
+        return bad;
+    }
+
+    /* the same for float64 contributions */
+    static int gcd_exact_f64(const double* const* xs, int n, int64_t m, double* out, double div, double recip,
+                             double limit, int64_t hi, int64_t lo, int64_t bmin) {
+        int bad = 0;
+        if (n == 2) {
+            for (int64_t i = 0; i < m; i++) {
+                double r = xs[0][i] + xs[1][i];
+                r = recip > 0 ? r * recip : r / div;
+                out[i] = r;
+                bad |= !(fabs(r) < limit);
+            }
+            return bad;
+        }
+        uint64_t mb[GCD_BLOCK];
+        double acc[GCD_BLOCK], plain[GCD_BLOCK];
+        for (int64_t i0 = 0; i0 < m; i0 += GCD_BLOCK) {
+            int64_t w = m - i0 < GCD_BLOCK ? m - i0 : GCD_BLOCK;
+            for (int64_t j = 0; j < w; j++) { uint64_t u; memcpy(&u, &xs[0][i0 + j], 8); mb[j] = u & 0x7FFFFFFFFFFFFFFFull; }
+            for (int r = 1; r < n; r++)
+                for (int64_t j = 0; j < w; j++) {
+                    uint64_t u; memcpy(&u, &xs[r][i0 + j], 8); u &= 0x7FFFFFFFFFFFFFFFull; mb[j] = u > mb[j] ? u : mb[j];
+                }
+            for (int r = 0; r < n; r++)
+                for (int64_t j = 0; j < w; j++) {
+                    int64_t b = (int64_t)(mb[j] >> 52); if (b < bmin) b = bmin;
+                    double sc = gcd_bits((hi - b) << 52), x = xs[r][i0 + j];
+                    double y = (x * sc + GCD_MAGIC) - GCD_MAGIC;
+                    if (r == 0) { acc[j] = y; plain[j] = x; } else { acc[j] += y; plain[j] += x; }
+                }
+            for (int64_t j = 0; j < w; j++) {
+                int64_t b = (int64_t)(mb[j] >> 52), be = b < bmin ? bmin : b;
+                double res = (b == 0x7FF || mb[j] == 0) ? plain[j] : acc[j] * gcd_bits((be + lo) << 52);
+                double r = recip > 0 ? res * recip : res / div;
+                out[i0 + j] = r;
+                bad |= !(fabs(r) < limit);
+            }
+        }
+        return bad;
+    }
+
+    /* wire formats (gradcoll.kernels.lowp_reference) */
+    static inline uint16_t gcd_enc_bf16(uint32_t u) {
+        if ((u & 0x7FFFFFFFu) > 0x7F800000u) return (uint16_t)((u >> 16) | 0x0040u);
+        return (uint16_t)((u + 0x7FFFu + ((u >> 16) & 1u)) >> 16);
+    }
+    static inline uint16_t gcd_enc_fp16(uint32_t u) {
+        uint32_t sign = (u >> 16) & 0x8000u, a = u & 0x7FFFFFFFu;
+        if (a >= 0x47800000u) {
+            if (a > 0x7F800000u) return (uint16_t)(sign | 0x7E00u | ((a & 0x007FFFFFu) >> 13));
+            return (uint16_t)(sign | 0x7C00u);
+        }
+        if (a < 0x38800000u) {
+            if (a <= 0x33000000u) return (uint16_t)sign;
+            uint32_t shift = 126u - (a >> 23), mant = (a & 0x007FFFFFu) | 0x00800000u;
+            uint32_t r = mant >> shift, rem = mant & ((1u << shift) - 1u), half = 1u << (shift - 1u);
+            if (rem > half || (rem == half && (r & 1u) != 0)) r += 1u;
+            return (uint16_t)(sign | r);
+        }
+        uint32_t odd = (a >> 13) & 1u;
+        a = a - 0x38000000u + 0xFFFu + odd;
+        return (uint16_t)(sign | (a >> 13));
+    }
+    static inline float gcd_dec(uint16_t v, int fp16, const float* table) {
+        if (fp16) return table[v];
+        uint32_t b = ((uint32_t)v) << 16; float x; memcpy(&x, &b, 4); return x;
+    }
+    static void gcd_encode(const float* src, uint16_t* dst, int64_t m, int fp16) {
+        const uint32_t* u = (const uint32_t*)src;
+        if (fp16) for (int64_t i = 0; i < m; i++) dst[i] = gcd_enc_fp16(u[i]);
+        else for (int64_t i = 0; i < m; i++) dst[i] = gcd_enc_bf16(u[i]);
+    }
+    static void gcd_decode(const uint16_t* src, float* dst, int64_t m, int fp16, const float* table) {
+        if (fp16) for (int64_t i = 0; i < m; i++) dst[i] = table[src[i]];
+        else for (int64_t i = 0; i < m; i++) { uint32_t b = ((uint32_t)src[i]) << 16; memcpy(&dst[i], &b, 4); }
+    }
+    /* sum of n wire inputs in rank order in float32, divided, rounded to the wire into enc (a private block
+       when NULL) and widened into dec when not NULL; nonzero when an encoded result is Inf/NaN */
+    static int gcd_wire_reduce(const uint16_t* const* xs, int n, int64_t m, uint16_t* enc, float* dec,
+                               float div, int dodiv, int fp16, const float* table) {
+        float acc[GCD_BLOCK];
+        uint16_t own[GCD_BLOCK];
+        uint32_t flag = 0, emask = fp16 ? 0x7C00u : 0x7F80u, elow = fp16 ? 0x0400u : 0x0080u;
+        for (int64_t i0 = 0; i0 < m; i0 += GCD_BLOCK) {
+            int64_t w = m - i0 < GCD_BLOCK ? m - i0 : GCD_BLOCK;
+            for (int64_t j = 0; j < w; j++) acc[j] = gcd_dec(xs[0][i0 + j], fp16, table);
+            for (int r = 1; r < n; r++)
+                for (int64_t j = 0; j < w; j++) acc[j] = acc[j] + gcd_dec(xs[r][i0 + j], fp16, table);
+            if (dodiv) for (int64_t j = 0; j < w; j++) acc[j] = acc[j] / div;
+            uint16_t* e = enc != NULL ? enc + i0 : own;
+            for (int64_t j = 0; j < w; j++) {
+                uint32_t u; memcpy(&u, &acc[j], 4);
+                uint16_t v = fp16 ? gcd_enc_fp16(u) : gcd_enc_bf16(u);
+                e[j] = v;
+                flag |= ((uint32_t)v & emask) + elow;
+            }
+            if (dec != NULL) gcd_decode(e, dec + i0, w, fp16, table);
+        }
+        return (flag & 0x8000u) != 0;
+    }
+    """
+    int GCD_BLOCK
+    int gcd_exact_f32(const float* const* xs, int n, int64_t m, float* out, double div, double recip,
+                      double limit, int64_t hi, int64_t lo, int64_t bmin) nogil
+    int gcd_exact_f64(const double* const* xs, int n, int64_t m, double* out, double div, double recip,
+                      double limit, int64_t hi, int64_t lo, int64_t bmin) nogil
+    void gcd_encode(const float* src, uint16_t* dst, int64_t m, int fp16) nogil
+    void gcd_decode(const uint16_t* src, float* dst, int64_t m, int fp16, const float* table) nogil
+    int gcd_wire_reduce(const uint16_t* const* xs, int n, int64_t m, uint16_t* enc, float* dec, float div,
+                        int dodiv, int fp16, const float* table) nogil
+
+ctypedef fused real:
+    float
+    double
+
+cdef enum:
+    ARRIVED = 0
+    REDUCED = 1
+    DONE = 2
+    MAXN = 64
+    # ops and variants (gradcoll.algorithms.direct names the same numbers)
+    OP_MEAN = 0
+    OP_SUM = 1
+    OP_MAX = 2
+    OP_MIN = 3
+    OP_GATHER = 4
+    OP_BCAST = 5
+    V_PLAIN = 0
+    V_EXACT = 1
+    V_BF16 = 2
+    V_FP16 = 3
+    # results of run() beyond the window's wait codes (1..5)
+    S_DONE = 0
+    S_MORE = 16
+    S_MISMATCH = 17
+    S_NONFINITE = 18
+
+
+cdef inline bint _block_finite(real* p, Py_ssize_t k) noexcept nogil:
+    cdef Py_ssize_t i
+    cdef uint32_t b32, m32 = 0
+    cdef uint64_t b64, m64 = 0
+    if real is float:
+        for i in range(k):
+            memcpy(&b32, &p[i], 4)
+            m32 |= ((b32 & 0x7f800000u) + 0x00800000u)
+        return (m32 & 0x80000000u) == 0
+    else:
+        for i in range(k):
+            memcpy(&b64, &p[i], 8)
+            m64 |= ((b64 & 0x7ff0000000000000ull) + 0x0010000000000000ull)
+        return (m64 & 0x8000000000000000ull) == 0
+
+
+cdef bint _sum(real** xs, int n, Py_ssize_t m, real* out, real divisor, bint dodiv, bint check) noexcept nogil:
+    """Rank-order sum of ``n`` inputs (then one division); False when a result is not finite."""
+    cdef Py_ssize_t lo = 0, hi, i, k
+    cdef int j
+    cdef bint ok = True
+    cdef real* o
+    cdef real* x
+    while lo < m:
+        hi = lo + GCD_BLOCK
+        if hi > m:
+            hi = m
+        k = hi - lo
+        o = out + lo
+        x = xs[0] + lo
+        for i in range(k):
+            o[i] = x[i]
+        for j in range(1, n):
+            x = xs[j] + lo
+            for i in range(k):
+                o[i] = o[i] + x[i]
+        if dodiv:
+            for i in range(k):
+                o[i] = o[i] / divisor
+        if check and not _block_finite(o, k):
+            ok = False
+        lo = hi
+    return ok
+
+
+cdef bint _minmax(real** xs, int n, Py_ssize_t m, real* out, bint is_max, bint check) noexcept nogil:
+    """Element-wise max (or min) over ``n`` inputs; a NaN anywhere gives NaN (as ``numpy.maximum``).
+
+    The check reads every input, not only the result: an infinity that the max (min) leaves out
+    must halt every rank as well.
+    """
+    cdef Py_ssize_t lo = 0, hi, i, k
+    cdef int j
+    cdef bint ok = True
+    cdef real* o
+    cdef real* x
+    cdef real a, b
+    while lo < m:
+        hi = lo + GCD_BLOCK
+        if hi > m:
+            hi = m
+        k = hi - lo
+        o = out + lo
+        x = xs[0] + lo
+        for i in range(k):
+            o[i] = x[i]
+        for j in range(1, n):
+            x = xs[j] + lo
+            for i in range(k):
+                a = o[i]
+                b = x[i]
+                if is_max:
+                    o[i] = a if (a > b or a != a) else b
+                else:
+                    o[i] = a if (a < b or a != a) else b
+            if check and not _block_finite(x, k):
+                ok = False
+        if check and not (_block_finite(xs[0] + lo, k) and _block_finite(o, k)):
+            ok = False
+        lo = hi
+    return ok
+
+
+cdef class Plan:
+    # (the attributes Runner sets directly are declared here)
+    """One collective's plan on one window: geometry, descriptor and progress (see ``direct.py``).
+
+    Built by ``gradcoll.algorithms.direct`` once per call shape and reused;
+    ``start`` binds a buffer and a tick, ``run`` advances up to a number of
+    pieces and returns ``(status, culprit, piece)``.
+    """
+
+    cdef WinC w
+    cdef int two, op, variant, f64, check, fp16, dodiv, region, root, scatter, phase
+    cdef Py_ssize_t count, item, witem, piece, seg, depth, ring, rslot, res_off
+    cdef Py_ssize_t bounds[MAXN + 1]
+    cdef char* rbase
+    cdef Py_ssize_t rstride, roff
+    cdef double divisor, recip, limit
+    cdef int64_t hi, lo, bmin
+    cdef const float* table
+    cdef object keep
+    cdef unsigned char desc[64]
+    # per call
+    cdef char* buf
+    cdef char* out
+    cdef object held
+    cdef uint64_t t0
+    cdef Py_ssize_t npieces, k, kin
+    cdef double deadline
+    cdef int wait_index
+    cdef uint64_t wait_value
+
+    def __init__(self, layout, double spin_s, int yields, *, bint two, int op, int variant, bint f64, bint check,
+                 Py_ssize_t count, Py_ssize_t item, Py_ssize_t witem, Py_ssize_t piece, Py_ssize_t seg,
+                 list bounds, Py_ssize_t depth, Py_ssize_t ring, Py_ssize_t rslot, Py_ssize_t res_off,
+                 double divisor, double recip, double limit, tuple exact, object table, bytes desc,
+                 object region=None, int root=-1, bint scatter=False):
+        cdef int q
+        win_fill(&self.w, layout)
+        self.w.spin_s, self.w.yields = spin_s, yields
+        self.two, self.op, self.variant, self.f64, self.check = two, op, variant, f64, check
+        self.fp16 = variant == V_FP16
+        self.root, self.scatter = root, scatter
+        self.count, self.item, self.witem, self.piece, self.seg = count, item, witem, piece, seg
+        self.depth, self.ring, self.rslot, self.res_off = depth, ring, rslot, res_off
+        self.divisor, self.recip, self.limit = divisor, recip, limit
+        self.dodiv = op == OP_MEAN
+        self.hi, self.lo, self.bmin = exact
+        self.keep = (table, region)
+        self.table = <const float*>cnp.PyArray_DATA(table) if table is not None else NULL
+        if len(bounds) != self.w.n + 1 or self.w.n > MAXN:
+            raise ValueError("bounds must have n + 1 entries")
+        for q in range(self.w.n + 1):
+            self.bounds[q] = bounds[q]
+        self.region = region is not None
+        if self.region:
+            self.rbase = <char*><Py_ssize_t>region[0]
+            self.rstride = region[1]
+            self.roff = region[2]
+        if len(desc) != 64:
+            raise ValueError("a descriptor is 64 bytes")
+        memcpy(self.desc, <const char*>desc, 64)
+        if two:  # (cdivision: C's truncating division, so round up by hand)
+            self.npieces = max(1, (self.bounds[1] - self.bounds[0] + seg - 1) // seg)
+        else:
+            self.npieces = max(1, (count + piece - 1) // piece)
+
+    @property
+    def pieces(self):
+        return self.npieces
+
+    @property
+    def waited(self):
+        return self.w.waited
+
+    @property
+    def waiting(self):
+        """``(counter, value)`` of the last wait (what a timed-out rank was waiting for)."""
+        return self.wait_index, self.wait_value
+
+    cdef int _wait(self, int index, uint64_t value, int* culprit) noexcept nogil:
+        self.wait_index, self.wait_value = index, value
+        return win_wait_all(&self.w, index, value, self.deadline, culprit)
+
+    def start(self, cnp.ndarray buf, cnp.ndarray out, uint64_t t0, int64_t seq, double deadline):
+        """Bind ``buf`` (and ``out``, for a gather) and the first tick; the descriptor takes ``seq``."""
+        self.held = (buf, out)
+        self.buf = <char*>cnp.PyArray_DATA(buf)
+        self.out = <char*>cnp.PyArray_DATA(out) if out is not None else NULL
+        self.t0 = t0
+        self.k = 0
+        self.kin = 0
+        self.deadline = deadline
+        memcpy(self.desc + 20, &seq, 8)  # the Record's seq field (gradcoll.algorithms._handshake)
+
+    def run(self, Py_ssize_t limit):
+        """Advance at most ``limit`` pieces: ``(status, culprit, piece, phase)`` (S_MORE while pieces are left).
+
+        ``phase`` is the step it was in: 1 copying in and waiting for the others' pieces, 2 reducing and
+        waiting for the others' shares, 3 copying out and waiting for the others to be done.
+        """
+        cdef int st, culprit = -1
+        cdef Py_ssize_t stop = self.k + limit
+        if stop > self.npieces:
+            stop = self.npieces
+        with nogil:
+            st = self._run(stop, &culprit)
+        if st != S_MORE:
+            self.held = None
+        return st, culprit, self.k, self.phase
+
+    # -- where things are -------------------------------------------------------------------------
+    cdef inline char* _data(self, int r, Py_ssize_t k, int q) noexcept nogil:
+        """Rank ``r``'s copy of share ``q`` of piece ``k`` (two-shot) or of piece ``k`` (one-shot)."""
+        cdef Py_ssize_t e
+        if self.region:
+            e = self.bounds[q] + k * self.seg if self.two else k * self.piece
+            return self.rbase + r * self.rstride + self.roff + e * self.witem
+        e = q * self.seg if self.two else 0
+        return (self.w.base + self.w.slots + r * self.w.stride + ((self.t0 + k) % self.depth) * self.ring
+                + e * self.witem)
+
+    cdef inline char* _result(self, int r, Py_ssize_t k) noexcept nogil:
+        return (self.w.base + self.w.slots + r * self.w.stride + self.res_off
+                + ((self.t0 + k) % self.depth) * self.rslot)
+
+    cdef inline void _share(self, Py_ssize_t k, int q, Py_ssize_t* a, Py_ssize_t* b) noexcept nogil:
+        """Elements ``[a, b)`` of share ``q`` of piece ``k`` (two-shot) or of piece ``k`` (one-shot)."""
+        if self.two:
+            a[0] = self.bounds[q] + k * self.seg
+            b[0] = a[0] + self.seg
+            if b[0] > self.bounds[q + 1]:
+                b[0] = self.bounds[q + 1]
+            if a[0] > b[0]:
+                a[0] = b[0]
+        else:
+            a[0] = k * self.piece
+            b[0] = a[0] + self.piece
+            if b[0] > self.count:
+                b[0] = self.count
+
+    cdef inline char* _desc(self, int r) noexcept nogil:
+        return self.w.base + self.w.headers + r * HEADER_BYTES + H_DESCRIPTORS + (self.t0 % N_DESCRIPTORS) * 64
+
+    # -- the steps --------------------------------------------------------------------------------
+    cdef int _wait_done(self, uint64_t t, int* culprit) noexcept nogil:
+        """Before reusing the ring buffer of tick ``t``: every rank is done with tick ``t - depth``."""
+        if t + 1 <= <uint64_t>self.depth:
+            return W_OK
+        return self._wait(DONE, t + 1 - self.depth, culprit)
+
+    cdef int _copy_in(self, Py_ssize_t k, int* culprit) noexcept nogil:
+        cdef uint64_t t = self.t0 + k
+        cdef int st, q, nq
+        cdef Py_ssize_t a, b
+        st = self._wait_done(t, culprit)
+        if st != W_OK:
+            return st
+        if not self.region and (self.op != OP_BCAST or self.root == self.w.me):
+            nq = self.w.n if self.two else 1
+            for q in range(nq):
+                self._share(k, q, &a, &b)
+                if b > a:
+                    if self.variant >= V_BF16 and self.item == 4:
+                        gcd_encode(<float*>(self.buf + a * 4), <uint16_t*>self._data(self.w.me, k, q), b - a,
+                                   self.fp16)
+                    else:
+                        memcpy(self._data(self.w.me, k, q), self.buf + a * self.item, (b - a) * self.item)
+        if k == 0:
+            memcpy(self._desc(self.w.me), self.desc, 64)
+        win_publish(&self.w, ARRIVED, self.t0 + (self.npieces if self.region else k + 1))
+        return W_OK
+
+    cdef bint _reduce(self, Py_ssize_t k, int q, char* out, float* dec, Py_ssize_t m) noexcept nogil:
+        """Reduce share ``q`` of piece ``k`` (or piece ``k``) of every rank into ``out``; False if not finite."""
+        cdef void* xs[MAXN]
+        cdef int r, n = self.w.n
+        for r in range(n):
+            xs[r] = self._data(r, k, q)
+        if self.variant >= V_BF16:
+            return gcd_wire_reduce(<const uint16_t* const*>xs, n, m, <uint16_t*>out, dec, <float>self.divisor,
+                                   self.dodiv, self.fp16, self.table) == 0 or not self.check
+        if self.variant == V_EXACT:
+            if self.f64:
+                r = gcd_exact_f64(<const double* const*>xs, n, m, <double*>out, self.divisor, self.recip,
+                                  self.limit, self.hi, self.lo, self.bmin)
+            else:
+                r = gcd_exact_f32(<const float* const*>xs, n, m, <float*>out, self.divisor, self.recip,
+                                  self.limit, self.hi, self.lo, self.bmin)
+            return r == 0 or not self.check
+        if self.op <= OP_SUM:
+            if self.f64:
+                return _sum[double](<double**>xs, n, m, <double*>out, self.divisor, self.dodiv, self.check)
+            return _sum[float](<float**>xs, n, m, <float*>out, <float>self.divisor, self.dodiv, self.check)
+        if self.f64:
+            return _minmax[double](<double**>xs, n, m, <double*>out, self.op == OP_MAX, self.check)
+        return _minmax[float](<float**>xs, n, m, <float*>out, self.op == OP_MAX, self.check)
+
+    cdef void _move(self, Py_ssize_t k, Py_ssize_t a, Py_ssize_t b) noexcept nogil:
+        """The step of a gather or a broadcast: copy piece ``k`` (bytes ``[a, b)``) out of the slots."""
+        cdef int r
+        if b <= a:
+            return
+        if self.op == OP_BCAST:
+            if self.root != self.w.me:
+                memcpy(self.buf + a, self._data(self.root, k, 0), b - a)
+            return
+        for r in range(self.w.n):
+            memcpy(self.out + r * self.count + a, self._data(r, k, 0), b - a)
+
+    cdef int _mismatch(self) noexcept nogil:
+        cdef int r
+        for r in range(self.w.n):
+            if memcmp(self._desc(r), self.desc, 64) != 0:
+                return r
+        return -1
+
+    cdef int _run(self, Py_ssize_t stop, int* culprit) noexcept nogil:
+        cdef Py_ssize_t k, a, b
+        cdef uint64_t t
+        cdef int st, q, me = self.w.me, n = self.w.n
+        cdef char* rep
+        cdef char* res
+        cdef uint64_t mark
+        if self.w.n > MAXN:
+            return S_MISMATCH
+        while self.k < stop:
+            k = self.k
+            t = self.t0 + k
+            self.phase = 1
+            if self.region:
+                if k == 0 and self.kin == 0:
+                    st = self._copy_in(0, culprit)  # the data is in place: only the descriptor and the counter
+                    if st != W_OK:
+                        return st
+                    self.kin = self.npieces
+                st = self._wait_done(t, culprit)  # the result ring buffer of tick t is free
+                if st != W_OK:
+                    return st
+            else:
+                while self.kin <= k + 1 and self.kin < self.npieces:
+                    st = self._copy_in(self.kin, culprit)
+                    if st != W_OK:
+                        return st
+                    self.kin += 1
+            st = self._wait(ARRIVED, t + 1, culprit)
+            if st != W_OK:
+                return st
+            if k == 0:
+                culprit[0] = self._mismatch()
+                if culprit[0] >= 0:
+                    return S_MISMATCH
+            self.phase = 2
+            if self.op >= OP_GATHER:
+                self._share(k, 0, &a, &b)
+                self._move(k, a, b)
+                win_publish(&self.w, DONE, t + 1)
+                self.k += 1
+                continue
+            if not self.two:
+                self._share(k, 0, &a, &b)
+                if self.variant >= V_BF16 and self.item == 4:
+                    if not self._reduce(k, 0, NULL, <float*>(self.buf + a * 4), b - a):
+                        return S_NONFINITE
+                elif not self._reduce(k, 0, self.buf + a * self.item, NULL, b - a):
+                    return S_NONFINITE
+                win_publish(&self.w, DONE, t + 1)
+                self.k += 1
+                continue
+            self._share(k, me, &a, &b)
+            rep = self.w.base + self.w.headers + me * HEADER_BYTES + H_REPORT
+            if b > a and not self._reduce(k, me, self._result(me, k), NULL, b - a):
+                mark = t + 1
+                memcpy(rep, &mark, 8)
+            win_publish(&self.w, REDUCED, t + 1)
+            self.phase = 3
+            st = self._wait(REDUCED, t + 1, culprit)
+            if st != W_OK:
+                return st
+            for q in range(n):
+                memcpy(&mark, self.w.base + self.w.headers + q * HEADER_BYTES + H_REPORT, 8)
+                if mark == t + 1:
+                    culprit[0] = q
+                    return S_NONFINITE
+            for q in range(n):
+                if self.scatter and q != me:
+                    continue
+                self._share(k, q, &a, &b)
+                if b > a:
+                    res = self._result(q, k)
+                    if self.variant >= V_BF16 and self.item == 4:
+                        gcd_decode(<uint16_t*>res, <float*>(self.buf + a * 4), b - a, self.fp16, self.table)
+                    else:
+                        memcpy(self.buf + a * self.item, res, (b - a) * self.item)
+            win_publish(&self.w, DONE, t + 1)
+            self.k += 1
+        if self.k < self.npieces:
+            return S_MORE
+        self.phase = 3
+        if self.region:  # peers read this rank's region until they are done: the caller may write it after
+            return self._wait(DONE, self.t0 + self.npieces, culprit)
+        return S_DONE
+
+
+cdef class Runner:
+    """The ticks and engines of one group window, and the hot path of a plain allreduce in one C call.
+
+    ``tick`` is the window's next tick (``_window_run`` advances it for every
+    collective, the same on every rank); ``plans`` maps a call's key to its
+    ``(shape, plan, descriptor)``. ``allreduce`` takes a plain call (an
+    aligned, C-contiguous, writeable float32/float64 array that is in no
+    allocated region, an op code, the finite check) whose plan is already in
+    ``fast``: it binds, runs every batch and accounts the waits without
+    returning to Python. It returns None when the collective completed,
+    NotImplemented when it does not take the call, else the failure
+    ``(status, culprit, piece, phase, t0, entry)``.
+    """
+
+    cdef public uint64_t tick
+    cdef public dict plans
+    cdef public dict fast
+    cdef public Py_ssize_t batch_bytes
+    cdef object transport
+    cdef list regions
+
+    def __init__(self, transport, Py_ssize_t batch_bytes):
+        self.tick = 0
+        self.plans = {}
+        self.fast = {}
+        self.regions = []
+        self.transport = transport
+        self.batch_bytes = batch_bytes
+
+    def add_region(self, Py_ssize_t start, Py_ssize_t end):
+        """Buffers in ``[start, end)`` live in an allocated window: never the hot path's."""
+        self.regions.append((start, end))
+
+    @staticmethod
+    def key(Py_ssize_t size, int typenum, int op, bint check):
+        """The key of ``fast`` for a plain call."""
+        return (((size << 3) | op) << 1 | check) << 1 | (typenum == cnp.NPY_DOUBLE)
+
+    def allreduce(self, object buf, int op, bint check, int64_t seq, double timeout):
+        cdef cnp.ndarray a
+        cdef int typenum, st, culprit = -1
+        cdef Py_ssize_t size, addr, stop, per, batch
+        cdef uint64_t t0
+        cdef double before
+        cdef Plan plan
+        cdef object entry
+        if not cnp.PyArray_CheckExact(buf):
+            return NotImplemented
+        a = <cnp.ndarray>buf
+        typenum = cnp.PyArray_TYPE(a)
+        if (typenum != cnp.NPY_FLOAT and typenum != cnp.NPY_DOUBLE) or not cnp.PyArray_ISCARRAY(a):
+            return NotImplemented
+        size = cnp.PyArray_SIZE(a)
+        if self.regions:
+            addr = <Py_ssize_t>cnp.PyArray_DATA(a)
+            for lo_hi in self.regions:
+                if addr < <Py_ssize_t>lo_hi[1] and addr + size * cnp.PyArray_ITEMSIZE(a) > <Py_ssize_t>lo_hi[0]:
+                    return NotImplemented
+        entry = self.fast.get((((size << 3) | op) << 1 | check) << 1 | (typenum == cnp.NPY_DOUBLE))
+        if entry is None:
+            return NotImplemented
+        plan = <Plan>entry[1]
+        t0 = self.tick
+        self.tick += plan.npieces
+        plan.held = (a, None)
+        plan.buf = <char*>cnp.PyArray_DATA(a)
+        plan.out = NULL
+        plan.t0, plan.k, plan.kin = t0, 0, 0
+        plan.deadline = win_now() + timeout
+        memcpy(plan.desc + 20, &seq, 8)
+        per = (plan.seg * plan.w.n if plan.two else plan.piece) * plan.witem
+        batch = self.batch_bytes // per if per > 0 else 1
+        if batch < 1:
+            batch = 1
+        before = plan.w.waited
+        while True:
+            stop = plan.k + batch
+            if stop > plan.npieces:
+                stop = plan.npieces
+            with nogil:
+                st = plan._run(stop, &culprit)
+            if st != S_MORE:
+                break
+            self.transport.note_wait(plan.w.waited - before)
+            before = plan.w.waited
+        self.transport.note_wait(plan.w.waited - before)
+        plan.held = None
+        if st == S_DONE:
+            return None
+        return st, culprit, plan.k, plan.phase, t0, entry

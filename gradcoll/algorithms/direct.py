@@ -1,0 +1,188 @@
+"""Direct allreduce: on one host, every rank reads every rank's slot of a shared window.
+
+The ranks share one window (``Transport.group_window``: shm, inproc, mpi
+on one node). Each rank owns a slot of it; no byte goes through a per-pair
+message ring. Two schedules (``mode``), the same bits either way:
+
+* **one-shot** (small buffers): each rank copies its buffer into its slot
+  and publishes; once every rank has, each reduces the whole buffer from all
+  ``n`` slots in one pass, in rank order 0..n-1 (the fused n-input sum and
+  finite check), straight into its own buffer, and says it is done.
+* **two-shot** (large buffers): the buffer is cut into ``n`` chunks; each
+  rank copies its buffer in, reduces its own chunk from all ``n`` slots into
+  its result area and publishes it; every rank then copies every chunk's
+  result out. Each rank reads ``S`` and writes ``S / n`` in the reduction
+  instead of reading ``n S``.
+
+Both stream: a buffer larger than a piece goes in pieces (``PIECE_BYTES``
+one-shot, ``SEG_BYTES`` per chunk two-shot) through a ring of ``DEPTH``
+buffers in each slot, so that while one rank reduces piece ``k``, another
+copies in piece ``k + 1``, and the pieces stay in cache. Every sum is in rank
+order, so every rank gets the same bits whatever the arrival order: those of
+``mean_reduce`` over the ranks' buffers (the star's).
+
+Whole collectives run in one compiled call each (``_direct_c``, no Python
+between the steps); without the extension, the same steps run in Python
+(``_window_py``). Variants: ``deterministic=True`` reduces with the exact
+kernel (``exact_reduce``'s bits), ``wire_dtype`` puts bf16/fp16 into the
+slots and sums in float32. A buffer from ``ProcessGroup.alloc`` already lives
+in a slot: nothing is copied in. Errors: see ``_window_run``. The choice
+between the schedules is the cost model's (``gradcoll.model.costmodel``,
+``direct_modes``). See docs/algorithms/direct.md.
+"""
+
+from __future__ import annotations
+
+import functools
+from typing import Any
+
+import numpy as np
+
+from ..errors import UsageError
+from ..model.costmodel import direct_one_shot_bytes
+from ..transport.base import Transport, Window
+from ._common import Options, Workspace, as_flat, check_op
+from ._guard import guarded_allreduce
+from ._window_plan import BF16, EXACT, FP16, OPS, PLAIN, describe, shape
+from ._window_run import failed, group_window, run, state
+
+__all__ = ["direct_allreduce", "direct_exact", "direct_wire", "alloc", "one_shot_limit", "PIECE_BYTES", "SEG_BYTES"]
+
+#: One-shot: bytes per piece; two-shot: bytes per chunk per piece (tuned on the 2-core machine).
+PIECE_BYTES = 256 << 10
+SEG_BYTES = 128 << 10
+_MODES = (None, "one-shot", "two-shot")
+_VARIANT_NAMES = {PLAIN: "", EXACT: "deterministic ", BF16: "", FP16: ""}
+
+
+@functools.lru_cache(maxsize=256)
+def one_shot_limit(n: int) -> int:
+    """The largest buffer (bytes) that runs one-shot on ``n`` ranks: where the cost model's two-shot wins."""
+    return direct_one_shot_bytes(n)
+
+
+def direct_allreduce(transport: Transport, buf: np.ndarray, *, op: str = "mean", check_finite: bool = True,
+                     seq: int = 0, timeout: float | None = None, workspace: Workspace | None = None,
+                     backend: str | None = None, mode: str | None = None) -> np.ndarray:
+    """Allreduce ``buf`` in place through the group's shared window; returns ``buf``.
+
+    ``mode``: ``"one-shot"``, ``"two-shot"`` or None (the cost model's choice
+    by size). ``backend``: a kernel backend other than ``cython`` runs the
+    Python steps with that backend's kernels.
+    """
+    win = transport._group_window
+    if win is not None and mode is None and backend is None:  # the hot path: one C call (Runner.allreduce)
+        runner = win.cache.get("window-run")
+        code = OPS.get(op)
+        if runner is not None and code is not None and hasattr(runner, "fast"):
+            how = runner.allreduce(buf, code, check_finite, seq, transport.timeout if timeout is None else timeout)
+            if how is None:
+                return buf
+            if how is not NotImplemented:
+                failed(transport, win, "direct allreduce", seq, transport.timeout if timeout is None else timeout,
+                       buf, how)
+    flat = as_flat(buf, reduce=True)
+    check_op(op)
+    _allreduce(transport, buf, flat, op, check_finite, seq, timeout, backend, PLAIN, mode)
+    return buf
+
+
+def direct_exact(transport: Transport, buf: np.ndarray, *, op: str, check_finite: bool, seq: int,
+                 timeout: float | None, backend: str | None = None, mode: str | None = None) -> np.ndarray:
+    """The deterministic allreduce on the window (``deterministic_allreduce(algorithm="direct")``)."""
+    _allreduce(transport, buf, buf.reshape(-1), op, check_finite, seq, timeout, backend, EXACT, mode)
+    return buf
+
+
+def direct_wire(transport: Transport, buf: np.ndarray, *, wire: str, op: str, check_finite: bool, seq: int,
+                timeout: float | None, backend: str | None = None, mode: str | None = None) -> np.ndarray:
+    """The bf16/fp16 allreduce on the window (``wire_allreduce(algorithm="direct")``).
+
+    ``buf`` is float32 (encoded on its way into the slot, decoded on its way
+    out) or 16-bit wire values already (copied as they are).
+    """
+    flat = buf.reshape(-1)
+    if flat.dtype != np.float32:
+        flat = flat.view(np.uint16)
+    _allreduce(transport, buf, flat, op, check_finite, seq, timeout, backend,
+               BF16 if wire == "bf16" else FP16, mode)
+    return buf
+
+
+def _allreduce(t: Transport, buf: np.ndarray, flat: np.ndarray, op: str, check: bool, seq: int,
+               timeout: float | None, backend: str | None, variant: int, mode: str | None) -> None:
+    wire = {BF16: "bf16", FP16: "fp16"}.get(variant)
+    name = f"direct allreduce ({wire} wire)" if wire else f"{_VARIANT_NAMES[variant]}direct allreduce"
+    if mode not in _MODES:
+        raise UsageError(f"mode must be 'one-shot', 'two-shot' or None, got {mode!r}")
+    if t.size == 1:  # nothing to share: the frame's own finite check is the whole collective
+        guarded_allreduce(t, buf, Options(op, check, seq, timeout, None, backend), name=name, algo="direct",
+                          body=lambda *_: None, flat=flat)
+        return
+    win = group_window(t, timeout, name)
+    region = None if wire else _region(win, flat)
+    n = t.size
+    two = region is not None or mode == "two-shot" or (mode is None and flat.nbytes > one_shot_limit(n))
+    rid = (-1, 0) if region is None else (region[2], region[1])
+    key = (flat.size, flat.dtype.char, op, variant, check, two, rid)
+
+    def build() -> tuple[Any, bytes]:
+        shp = shape(n, flat.size, flat.dtype, win.slot_bytes, two=two, op=OPS[op], variant=variant,
+                    piece_bytes=PIECE_BYTES, seg_bytes=SEG_BYTES,
+                    region=None if region is None else (region[0], region[1]))
+        desc = describe("allreduce", op, flat.dtype, flat.size, seq, extra=(variant, int(check), int(two), *rid))
+        return shp, desc
+
+    fast = None
+    if variant == PLAIN and mode is None and region is None and flat.dtype in _FAST_DTYPES and flat.flags.aligned:
+        fast = state(t, win).key(flat.size, _FAST_DTYPES[flat.dtype], OPS[op], check) \
+            if hasattr(state(t, win), "key") else None
+    run(t, win, key, build, flat, None, name=name, seq=seq, timeout=timeout, check=check, backend=backend,
+        fast=fast)
+
+
+_FAST_DTYPES = {np.dtype(np.float32): 11, np.dtype(np.float64): 12}  # NumPy's type numbers
+
+
+# -- zero copy: arrays that live in a slot --------------------------------------------------------------
+def alloc(transport: Transport, shape_: int | tuple[int, ...], dtype: Any, timeout: float | None = None) -> np.ndarray:
+    """Collective: a new array of ``shape_`` and ``dtype`` living in this rank's slot of a new window.
+
+    Every rank calls it with the same shape and dtype, in the same order
+    among its collectives. An allreduce (op mean/sum/max/min, plain or
+    deterministic) of the array, or of a contiguous part of it at the same
+    offset on every rank, reads it in place: nothing is copied in. It stays
+    valid until the transport closes; it is zero-filled.
+    """
+    dt = np.dtype(dtype)
+    dims = (shape_,) if isinstance(shape_, (int, np.integer)) else tuple(shape_)
+    if any(int(d) < 0 for d in dims):
+        raise UsageError(f"rank {transport.rank}: alloc shape {dims} has a negative dimension")
+    nbytes = int(np.prod(dims, dtype=np.int64)) * dt.itemsize
+    group = group_window(transport, timeout, "alloc")
+    win = transport.window(max(nbytes, 64), timeout)
+    if win is None:  # pragma: no cover - group_window above would have raised
+        raise UsageError(f"rank {transport.rank}: the {transport.name} transport shares no memory")
+    regions: list[Window] = group.cache.setdefault("regions", [])
+    regions.append(win)
+    lay = win.layout()
+    start = lay.address + lay.slots + lay.rank * lay.stride
+    st = state(transport, group)
+    if hasattr(st, "add_region"):
+        st.add_region(start, start + lay.slot_bytes)
+    arr: np.ndarray = win.slot(win.rank)[:nbytes].view(dt).reshape(dims)
+    return arr
+
+
+def _region(group: Window, flat: np.ndarray) -> tuple[Window, int, int] | None:
+    """``(window, offset, index)`` when ``flat`` lies in this rank's slot of an allocated window."""
+    regions: list[Window] | None = group.cache.get("regions")
+    if not regions or not flat.size:
+        return None
+    at = flat.__array_interface__["data"][0]
+    for i, win in enumerate(regions):
+        lay = win.layout()
+        start = lay.address + lay.slots + lay.rank * lay.stride
+        if start <= at and at + flat.nbytes <= start + lay.slot_bytes and not win.closed:
+            return win, at - start, i
+    return None

@@ -1,0 +1,166 @@
+"""The shm transport's windows: one segment file per window, made over the transport's own links.
+
+``create`` is collective. Rank 0 creates ``gcshm-<pid>-<token>-w`` in
+``/dev/shm`` (mode 0600, allocated in full and mapped with ``MAP_POPULATE``,
+as the pair segments of ``shm_segment`` are), writes the window's global
+header and sends every peer the name (tag ``WINDOW_TAG``). Each peer opens
+and maps it, takes a ``lockf`` lock on its own byte ``rank`` of the file,
+writes its pid into its header and answers. Once every peer has answered,
+rank 0 unlinks the name, so nothing can be left behind from then on, even if
+a rank is killed, and tells every peer to go. A rank killed before that
+leaves a name whose creator pid is dead, which the next group's start-up
+removes (``shm_segment.clean_stale_segments``).
+
+The locks are how a waiting rank notices a dead peer: the kernel releases a
+process's ``lockf`` locks when it dies (even as a zombie), and ``F_GETLK``
+on the peer's byte then finds the byte free.
+"""
+
+from __future__ import annotations
+
+import fcntl
+import mmap
+import os
+import secrets
+import socket
+import struct
+from typing import Any
+
+from .._util import Deadline
+from ..errors import GradcollError, UsageError
+from .base import Transport
+from .shm_segment import PREFIX, _allocate, default_dir
+from .window import LAYOUT, WINDOW_TAG, MappedWindow, init_header, plan
+
+__all__ = ["create"]
+
+_MSG = 256
+_POPULATE = getattr(mmap, "MAP_POPULATE", 0)
+
+
+def _message(kind: str, text: str) -> bytes:
+    return f"{kind} {text}".encode()[:_MSG].ljust(_MSG, b"\0")
+
+
+def _parse(buf: bytes | bytearray) -> tuple[str, str]:
+    kind, _, text = bytes(buf).rstrip(b"\0").decode(errors="replace").partition(" ")
+    return kind, text
+
+
+def _map(fd: int, total: int) -> mmap.mmap:
+    return mmap.mmap(fd, total, flags=mmap.MAP_SHARED | _POPULATE)
+
+
+def _set_pid(mm: mmap.mmap, rank: int, size: int, slot_bytes: int) -> None:
+    _, headers, _, _ = plan(size, slot_bytes)
+    struct.pack_into("<Q", mm, headers + rank * 1024 + LAYOUT["pid"], os.getpid())
+
+
+def _window(mm: mmap.mmap, fd: int, rank: int, size: int) -> MappedWindow:
+    def release() -> None:
+        try:
+            mm.close()
+        except BufferError:  # a view still in use (an allocated array): the mapping goes with the last one
+            pass
+        os.close(fd)
+
+    return MappedWindow(mm, rank, size, probe=1, fd=fd, release=release)
+
+
+def create(t: Transport, nbytes: int, timeout: float | None, directory: str | None = None) -> MappedWindow:
+    """Map a new window with ``nbytes`` per slot for every rank of ``t`` (collective; see the module docstring)."""
+    if nbytes < 0:
+        raise UsageError(f"rank {t.rank}: a window slot cannot have {nbytes} bytes")
+    deadline = Deadline(t.timeout if timeout is None else timeout)
+    total = plan(t.size, nbytes)[0]
+    directory = directory or default_dir()
+    if t.rank == 0:
+        return _create(t, nbytes, total, directory, deadline)
+    return _attach(t, nbytes, total, directory, deadline)
+
+
+def _create(t: Transport, nbytes: int, total: int, directory: str, deadline: Deadline) -> MappedWindow:
+    name = f"{PREFIX}{os.getpid()}-{secrets.token_hex(6)}-w"
+    path = os.path.join(directory, name)
+    peers = range(1, t.size)
+    fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_EXCL, 0o600)
+    mm: mmap.mmap | None = None
+    try:
+        try:
+            os.ftruncate(fd, total)
+            _allocate(fd, total, directory)
+            fcntl.lockf(fd, fcntl.LOCK_EX | fcntl.LOCK_NB, 1, 0)
+            mm = _map(fd, total)
+            init_header(mm, t.size, nbytes)
+            _set_pid(mm, 0, t.size, nbytes)
+            note = _message("OK", f"{socket.gethostname()} {name} {total}")
+        except OSError as exc:
+            note = _message("ER", f"rank 0 could not create a {total}-byte window in {directory}: {exc}")
+        for p in peers:
+            t.send(p, note, WINDOW_TAG, deadline.remaining())
+        if _parse(note)[0] != "OK":
+            raise GradcollError(f"rank 0: {_parse(note)[1]}")
+        answers = {p: _parse(_recv(t, p, deadline)) for p in peers}
+    except BaseException:
+        os.unlink(path)
+        if mm is not None:
+            mm.close()
+        os.close(fd)
+        raise
+    os.unlink(path)  # every rank has it mapped (or gave up): nothing can leak from here on
+    failed = [f"rank {p}: {text}" for p, (kind, text) in answers.items() if kind != "OK"]
+    go = _message("ER", "; ".join(failed)) if failed else _message("GO", "")
+    for p in peers:
+        t.send(p, go, WINDOW_TAG, deadline.remaining())
+    assert mm is not None
+    if failed:
+        mm.close()
+        os.close(fd)
+        raise GradcollError(f"rank 0: a peer could not map the window: {'; '.join(failed)}")
+    return _window(mm, fd, 0, t.size)
+
+
+def _recv(t: Transport, peer: int, deadline: Deadline) -> bytearray:
+    buf = bytearray(_MSG)
+    t.recv(peer, buf, WINDOW_TAG, deadline.remaining())
+    return buf
+
+
+def _attach(t: Transport, nbytes: int, total: int, directory: str, deadline: Deadline) -> MappedWindow:
+    me = t.rank
+    kind, text = _parse(_recv(t, 0, deadline))
+    if kind != "OK":
+        raise GradcollError(f"rank {me}: {text}")
+    host, name, size = text.split()
+    fd = -1
+    mm: mmap.mmap | None = None
+    try:
+        if host != socket.gethostname() or int(size) != total:
+            raise UsageError(f"window {name} is on {host} with {size} bytes; this rank is on "
+                             f"{socket.gethostname()} and expects {total}")
+        fd = os.open(os.path.join(directory, name), os.O_RDWR)
+        if os.fstat(fd).st_size != total:
+            raise UsageError(f"window {name} has {os.fstat(fd).st_size} bytes, not {total}")
+        fcntl.lockf(fd, fcntl.LOCK_EX | fcntl.LOCK_NB, 1, me)
+        mm = _map(fd, total)
+        _set_pid(mm, me, t.size, nbytes)
+        answer = _message("OK", "")
+    except (OSError, UsageError) as exc:
+        answer = _message("ER", str(exc))
+    try:
+        t.send(0, answer, WINDOW_TAG, deadline.remaining())
+        go = _parse(_recv(t, 0, deadline))
+        if answer[:2] != b"OK" or go[0] != "GO":
+            raise GradcollError(f"rank {me}: the window could not be set up: {_parse(answer)[1] or go[1]}")
+    except BaseException:
+        _release(mm, fd)
+        raise
+    assert mm is not None
+    return _window(mm, fd, me, t.size)
+
+
+def _release(mm: Any, fd: int) -> None:
+    if mm is not None:
+        mm.close()
+    if fd >= 0:
+        os.close(fd)
