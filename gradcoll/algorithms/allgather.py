@@ -38,6 +38,11 @@ def allgather(
     elif not isinstance(out, np.ndarray) or out.shape != shape or out.dtype != buf.dtype:
         raise UsageError(f"rank {me}: allgather out must be a {buf.dtype} array of shape {shape}")
     rows = as_flat(out, reduce=False, what="out").reshape(n, flat.size)
+    if transport.shared_memory and n > 1:  # one host: through the shared window (window_collectives)
+        from .window_collectives import window_allgather
+
+        window_allgather(transport, flat, rows, seq=seq, timeout=timeout)
+        return out
     coll = Coll(transport, "allgather", seq, flat.nbytes, timeout)
     handshake(coll, make_record("allgather", "ring", None, flat.dtype, flat.size, seq))
     rows[me] = flat

@@ -17,5 +17,10 @@ __all__ = ["barrier"]
 
 def barrier(transport: Transport, *, seq: int = 0, timeout: float | None = None) -> None:
     """Block until every rank has called barrier (or raise naming who did not)."""
+    if transport.shared_memory and transport.size > 1:  # one host: through the shared window
+        from .window_collectives import window_barrier
+
+        window_barrier(transport, seq=seq, timeout=timeout)
+        return
     coll = Coll(transport, "barrier", seq, 0, timeout)
     handshake(coll, make_record("barrier", "-", None, None, 0, seq))

@@ -31,6 +31,11 @@ def broadcast(
     if not isinstance(root, (int, np.integer)) or not 0 <= root < n:
         raise UsageError(f"rank {me}: broadcast root {root!r} out of range for world size {n}")
     root = int(root)
+    if transport.shared_memory and n > 1:  # one host: through the shared window (window_collectives)
+        from .window_collectives import window_broadcast
+
+        window_broadcast(transport, flat, root=root, seq=seq, timeout=timeout)
+        return buf
     coll = Coll(transport, "broadcast", seq, flat.nbytes, timeout)
     handshake(coll, make_record("broadcast", "tree", None, flat.dtype, flat.size, seq, root=root))
     if n == 1:

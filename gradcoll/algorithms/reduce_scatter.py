@@ -31,6 +31,13 @@ def reduce_scatter(transport: Transport, buf: np.ndarray, *, op: str = "mean", c
     flat = as_flat(buf, reduce=True)
     check_op(op)
     n, me = transport.size, transport.rank
+    if transport.shared_memory and n > 1:  # one host: through the shared window (window_collectives)
+        from .window_collectives import window_reduce_scatter
+
+        bounds = chunk_bounds(flat.size, n)
+        window_reduce_scatter(transport, flat, op=op, check_finite=check_finite, seq=seq, timeout=timeout,
+                              backend=backend)
+        return flat[bounds[me]: bounds[me + 1]]
     coll = Coll(transport, "ring reduce_scatter", seq, flat.nbytes, timeout)
     status = local_status(flat, check_finite, backend)
     handshake(coll, make_record("reduce_scatter", "ring", op, flat.dtype, flat.size, seq, status=status))

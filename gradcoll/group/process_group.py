@@ -305,6 +305,20 @@ class ProcessGroup:
         limit = self._timeout(timeout)
         return self._exec.submit("barrier", lambda seq: barrier(self.transport, seq=seq, timeout=limit), async_op)
 
+    def alloc(self, shape: int | tuple[int, ...], dtype: Any = np.float32, timeout: float | None = None) -> np.ndarray:
+        """Collective: a zero-filled array living in this rank's slot of a new shared window (no copy-in).
+
+        Every rank calls it with the same ``shape`` and ``dtype``, in the same
+        order among its collectives. ``allreduce`` of the array, or of a
+        contiguous part of it at the same offset on every rank, reduces it
+        where it lies. It stays valid until the group closes. Needs ranks that
+        share memory (shm, inproc; mpi on one node). See docs/transports.md.
+        """
+        from ..algorithms.direct import alloc
+
+        limit = self._timeout(timeout)
+        return self._exec.submit("alloc", lambda seq: alloc(self.transport, shape, dtype, limit), False)  # type: ignore[no-any-return]
+
     def _pick(self, algorithm: str, nbytes: int) -> str:
         if algorithm == "auto":
             return select_allreduce(nbytes, self.size, self.transport.name, self.transport.shared_memory)

@@ -14,16 +14,25 @@ removes (``shm_segment.clean_stale_segments``).
 The locks are how a waiting rank notices a dead peer: the kernel releases a
 process's ``lockf`` locks when it dies (even as a zombie), and ``F_GETLK``
 on the peer's byte then finds the byte free.
+
+The mapping is made with the C library's ``mmap``, not Python's: Python's
+keeps a duplicate of the file descriptor until it is closed, and it cannot be
+closed while an array still views it (an array from ``ProcessGroup.alloc``
+may outlive the group). Here ``close`` closes the one descriptor (the
+process's lock goes with it) and the pages are unmapped when the last array
+viewing them is gone.
 """
 
 from __future__ import annotations
 
+import ctypes
 import fcntl
 import mmap
 import os
 import secrets
 import socket
 import struct
+import weakref
 from typing import Any
 
 from .._util import Deadline
@@ -47,24 +56,31 @@ def _parse(buf: bytes | bytearray) -> tuple[str, str]:
     return kind, text
 
 
-def _map(fd: int, total: int) -> mmap.mmap:
-    return mmap.mmap(fd, total, flags=mmap.MAP_SHARED | _POPULATE)
+_libc = ctypes.CDLL(None, use_errno=True)
+_libc.mmap.restype = ctypes.c_void_p
+_libc.mmap.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int, ctypes.c_int, ctypes.c_int, ctypes.c_long]
+_libc.munmap.argtypes = [ctypes.c_void_p, ctypes.c_size_t]
+_FAILED = ctypes.c_void_p(-1).value
 
 
-def _set_pid(mm: mmap.mmap, rank: int, size: int, slot_bytes: int) -> None:
+def _map(fd: int, total: int) -> Any:
+    """``total`` bytes of ``fd`` mapped shared, as a ctypes array; unmapped when the last view of it is gone."""
+    addr = _libc.mmap(None, total, mmap.PROT_READ | mmap.PROT_WRITE, mmap.MAP_SHARED | _POPULATE, fd, 0)
+    if addr is None or addr == _FAILED:
+        err = ctypes.get_errno()
+        raise OSError(err, f"mmap of a {total}-byte window failed: {os.strerror(err)}")
+    buf = (ctypes.c_char * total).from_address(addr)
+    weakref.finalize(buf, _libc.munmap, addr, total)
+    return buf
+
+
+def _set_pid(mm: Any, rank: int, size: int, slot_bytes: int) -> None:
     _, headers, _, _ = plan(size, slot_bytes)
     struct.pack_into("<Q", mm, headers + rank * 1024 + LAYOUT["pid"], os.getpid())
 
 
-def _window(mm: mmap.mmap, fd: int, rank: int, size: int) -> MappedWindow:
-    def release() -> None:
-        try:
-            mm.close()
-        except BufferError:  # a view still in use (an allocated array): the mapping goes with the last one
-            pass
-        os.close(fd)
-
-    return MappedWindow(mm, rank, size, probe=1, fd=fd, release=release)
+def _window(mm: Any, fd: int, rank: int, size: int) -> MappedWindow:
+    return MappedWindow(mm, rank, size, probe=1, fd=fd, release=lambda: os.close(fd))
 
 
 def create(t: Transport, nbytes: int, timeout: float | None, directory: str | None = None) -> MappedWindow:
@@ -84,7 +100,7 @@ def _create(t: Transport, nbytes: int, total: int, directory: str, deadline: Dea
     path = os.path.join(directory, name)
     peers = range(1, t.size)
     fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_EXCL, 0o600)
-    mm: mmap.mmap | None = None
+    mm: Any = None
     try:
         try:
             os.ftruncate(fd, total)
@@ -103,8 +119,6 @@ def _create(t: Transport, nbytes: int, total: int, directory: str, deadline: Dea
         answers = {p: _parse(_recv(t, p, deadline)) for p in peers}
     except BaseException:
         os.unlink(path)
-        if mm is not None:
-            mm.close()
         os.close(fd)
         raise
     os.unlink(path)  # every rank has it mapped (or gave up): nothing can leak from here on
@@ -114,7 +128,6 @@ def _create(t: Transport, nbytes: int, total: int, directory: str, deadline: Dea
         t.send(p, go, WINDOW_TAG, deadline.remaining())
     assert mm is not None
     if failed:
-        mm.close()
         os.close(fd)
         raise GradcollError(f"rank 0: a peer could not map the window: {'; '.join(failed)}")
     return _window(mm, fd, 0, t.size)
@@ -133,7 +146,7 @@ def _attach(t: Transport, nbytes: int, total: int, directory: str, deadline: Dea
         raise GradcollError(f"rank {me}: {text}")
     host, name, size = text.split()
     fd = -1
-    mm: mmap.mmap | None = None
+    mm: Any = None
     try:
         if host != socket.gethostname() or int(size) != total:
             raise UsageError(f"window {name} is on {host} with {size} bytes; this rank is on "
@@ -153,14 +166,8 @@ def _attach(t: Transport, nbytes: int, total: int, directory: str, deadline: Dea
         if answer[:2] != b"OK" or go[0] != "GO":
             raise GradcollError(f"rank {me}: the window could not be set up: {_parse(answer)[1] or go[1]}")
     except BaseException:
-        _release(mm, fd)
+        if fd >= 0:
+            os.close(fd)
         raise
     assert mm is not None
     return _window(mm, fd, me, t.size)
-
-
-def _release(mm: Any, fd: int) -> None:
-    if mm is not None:
-        mm.close()
-    if fd >= 0:
-        os.close(fd)

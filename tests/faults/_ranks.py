@@ -53,6 +53,22 @@ def _arm_self_kill(transport: Any, after: int, conn: Any) -> None:
 
     for name in ("isend", "irecv", "sendrecv"):
         setattr(transport, name, wrap(getattr(transport, name)))
+    win = getattr(transport, "_group_window", None)
+    if win is not None:  # the direct allreduce: no transport call inside a collective, so die between two pieces
+        from gradcoll.algorithms import _window_run
+
+        _window_run.BATCH_BYTES = 1
+        runner = win.cache.get("window-run")
+        if hasattr(runner, "batch_bytes"):
+            runner.batch_bytes = 1  # back to Python after every piece, where the wait accounting is hooked
+        note = transport.note_wait
+
+        def between_pieces(seconds: float) -> None:
+            conn.send(("killed", transport.rank, time.monotonic()))
+            os.kill(os.getpid(), signal.SIGKILL)
+            note(seconds)
+
+        transport.note_wait = between_pieces
 
 
 def rank_main(cfg: dict[str, Any], rank: int, conn: Any) -> None:

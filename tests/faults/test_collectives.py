@@ -21,15 +21,17 @@ from tests.faults._harness import problems, run_collective_fault
 from tests.faults.conftest import FULL, REPEATS
 
 TRANSPORTS = ("tcp", "shm")
-ALGORITHMS = ("ring", "star", "recursive_doubling")
+ALGORITHMS = ("ring", "star", "recursive_doubling", "direct")
+SHARED = {"direct"}  # algorithms that need ranks sharing memory (the shm transport's window)
 FAULTS = ("kill", "kill-mid", "stall")
 TIMEOUT = {"kill": 2.0, "kill-mid": 2.0, "stall": 1.0}
 
 if FULL:
-    CASES = [(t, a, f, v) for t, a, f in itertools.product(TRANSPORTS, ALGORITHMS, FAULTS) for v in (0, 2, 3)]
-else:  # every transport, algorithm and fault at least once, in 4 scenarios
+    CASES = [(t, a, f, v) for t, a, f in itertools.product(TRANSPORTS, ALGORITHMS, FAULTS) for v in (0, 2, 3)
+             if t == "shm" or a not in SHARED]
+else:  # every transport, algorithm and fault at least once, in 6 scenarios
     CASES = [("tcp", "ring", "kill-mid", 2), ("shm", "star", "kill", 0), ("shm", "recursive_doubling", "kill-mid", 3),
-             ("tcp", "star", "stall", 1)]
+             ("tcp", "star", "stall", 1), ("shm", "direct", "kill-mid", 1), ("shm", "direct", "stall", 3)]
 
 pytestmark = pytest.mark.timeout(60 + 20 * REPEATS)
 
