@@ -32,12 +32,14 @@ from typing import Any, NoReturn
 
 import numpy as np
 
-from ..errors import CollectiveMismatch, TransportBroken, TransportClosed, UsageError
+from .._util import Deadline
+from ..errors import CollectiveMismatch, CollectiveTimeout, TransportBroken, TransportClosed, UsageError
 from ..kernels import lowp_reference
 from ..transport.base import Transport, Window
+from . import tags
 from ._common import Coll
 from ._handshake import Record, absent, pack, unpack, with_status
-from ._verdict import ALARMS, BROKEN, CLOSED, NONFINITE, PROTOCOL, TIMEOUT, verdict
+from ._verdict import ALARMS, BROKEN, CLOSED, LINK_ERRORS, NONFINITE, PROTOCOL, TIMEOUT, verdict
 from ._window_plan import BF16, FP16, Engine, Shape, records
 from ._window_py import S_MISMATCH, S_MORE, S_NONFINITE
 
@@ -60,9 +62,21 @@ def compiled() -> Any:
 _COMPILED = compiled()
 
 
-def group_window(t: Transport, timeout: float | None, what: str) -> Window:
-    """The transport's group window, or a UsageError naming ``what`` needs one."""
-    win = t.group_window(timeout)
+def group_window(t: Transport, timeout: float | None, what: str, seq: int = 0, nbytes: int = 0) -> Window:
+    """The transport's group window, or a UsageError naming ``what`` needs one.
+
+    The window is made at the first collective that needs it (collectively);
+    a rank that does not arrive for that is named as in any collective.
+    """
+    win = t._group_window
+    if win is not None:
+        return win
+    try:
+        win = t.group_window(timeout)
+    except CollectiveTimeout as exc:
+        coll = Coll(t, what, seq, nbytes, timeout)
+        who = exc.missing or [-1]
+        raise coll.timeout_error(who, f"rank(s) {', '.join(map(str, who))} did not arrive") from exc
     if win is None:
         raise UsageError(f"rank {t.rank}: {what} needs ranks that share memory (the shm or inproc transport, or mpi "
                          f"on one node); the {t.name} transport does not")
@@ -179,25 +193,57 @@ def _own(coll: Coll, exc: BaseException | None) -> Record:
 
 
 def _alarms(coll: Coll, win: Window, exc: BaseException | None) -> NoReturn:
-    """Raise the alarm with this rank's record, collect everyone's until the grace, raise the verdict."""
-    me, n = coll.rank, coll.size
-    if win.closed or coll.t.closed:
+    """Raise the alarm with this rank's record, collect everyone's until the grace, raise the verdict.
+
+    Records come through the window (the rank's alarm) or, from a rank that
+    is running a collective over the links instead (another algorithm: a
+    mismatch), over the links as the allreduces' error path sends them
+    (``_guard``); so this rank sends its record both ways.
+    """
+    from ._guard import _parse, _post, _take
+
+    me, n, t = coll.rank, coll.size, coll.t
+    if win.closed or t.closed:
         raise exc or TransportClosed(f"rank {me}: this rank's transport was closed during {coll.where()}",
                                      rank=me, peer=me)
     own = _own(coll, exc)
-    win.alarm(pack([own]))
-    win.wait_alarms([r for r in range(n) if r != me], min(5.0, max(1.0, coll.timeout or 1.0)))
-    table: list[Record] = []
-    for r in range(n):
-        raw = own if r == me else win.alarm_record(r)
-        if isinstance(raw, Record):
-            table.append(raw)
-        elif raw is not None:
-            table.append(unpack(raw, 1)[0])
-        else:
-            state = win.state(r)
-            table.append(absent(BROKEN if state == "dead" else CLOSED if state == "closed" else TIMEOUT))
-    verdict(coll, table, ALARMS, own=exc)
+    mine = pack([own])
+    win.alarm(mine)
+    grace = Deadline(min(5.0, max(1.0, coll.timeout or 1.0)))
+    table: list[Record | None] = [None] * n
+    table[me] = own
+    sends = []
+    for p in range(n):
+        if p != me:
+            try:
+                sends.append(t.isend(p, mine, tags.ALARM))
+            except LINK_ERRORS:
+                pass
+    posted = {p: _post(t, p, table) for p in range(n) if p != me}
+    while True:
+        for r in [r for r in range(n) if table[r] is None]:
+            raw = win.alarm_record(r)
+            req, buf = posted.get(r, (None, bytearray()))
+            if raw is not None:
+                table[r] = unpack(raw, 1)[0]
+            elif req is not None and req.test():
+                if _take(req, r, table, grace) and table[r] is None:
+                    table[r] = _parse(bytes(buf))
+                elif table[r] is None:  # a data frame of its collective went by: its record comes next
+                    posted[r] = _post(t, r, table)
+            if table[r] is None and (state := win.state(r)) in ("dead", "closed"):
+                table[r] = absent(BROKEN if state == "dead" else CLOSED)
+        missing = [r for r in range(n) if table[r] is None]
+        if not missing or grace.expired():
+            break
+        win.wait_alarms(missing[:1], min(5e-3, grace.remaining() or 5e-3))
+    for req, _ in posted.values():
+        if req is not None:
+            req.cancel()
+    for req in sends:
+        if not req.test():
+            req.cancel()
+    verdict(coll, [r if r is not None else absent(TIMEOUT) for r in table], ALARMS, own=exc)
     raise AssertionError("the verdict of a failed collective always raises")  # pragma: no cover
 
 

@@ -119,7 +119,7 @@ def _allreduce(t: Transport, buf: np.ndarray, flat: np.ndarray, op: str, check: 
         guarded_allreduce(t, buf, Options(op, check, seq, timeout, None, backend), name=name, algo="direct",
                           body=lambda *_: None, flat=flat)
         return
-    win = group_window(t, timeout, name)
+    win = group_window(t, timeout, name, seq, flat.nbytes)
     region = None if wire else _region(win, flat)
     n = t.size
     two = region is not None or mode == "two-shot" or (mode is None and flat.nbytes > one_shot_limit(n))

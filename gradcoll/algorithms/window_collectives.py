@@ -41,7 +41,7 @@ _EMPTY = np.empty(0, np.uint8)
 
 def window_barrier(t: Transport, *, seq: int, timeout: float | None) -> None:
     """Return once every rank has arrived (a CollectiveTimeout naming the ranks that did not, else)."""
-    win = group_window(t, timeout, "barrier")
+    win = group_window(t, timeout, "barrier", seq)
 
     def build() -> tuple[Any, bytes]:
         return (shape(t.size, 0, _EMPTY.dtype, win.slot_bytes, two=False, op=GATHER, variant=PLAIN,
@@ -52,7 +52,7 @@ def window_barrier(t: Transport, *, seq: int, timeout: float | None) -> None:
 
 def window_broadcast(t: Transport, flat: np.ndarray, *, root: int, seq: int, timeout: float | None) -> None:
     """Copy rank ``root``'s ``flat`` (C-contiguous, any dtype) into ``flat`` on every rank."""
-    win = group_window(t, timeout, "broadcast")
+    win = group_window(t, timeout, "broadcast", seq, flat.nbytes)
     raw = flat.view(np.uint8)
 
     def build() -> tuple[Any, bytes]:
@@ -66,7 +66,7 @@ def window_broadcast(t: Transport, flat: np.ndarray, *, root: int, seq: int, tim
 
 def window_allgather(t: Transport, flat: np.ndarray, rows: np.ndarray, *, seq: int, timeout: float | None) -> None:
     """Every rank's ``flat`` into row ``r`` of ``rows`` (``(n, flat.size)``, C-contiguous), on every rank."""
-    win = group_window(t, timeout, "allgather")
+    win = group_window(t, timeout, "allgather", seq, flat.nbytes)
     raw = flat.view(np.uint8)
 
     def build() -> tuple[Any, bytes]:
@@ -83,7 +83,7 @@ def window_reduce_scatter(t: Transport, flat: np.ndarray, *, op: str, check_fini
     """Reduce ``flat`` across ranks; chunk ``r`` of ``chunk_bounds`` ends on rank ``r`` (the rest is unchanged)."""
     from .direct import SEG_BYTES
 
-    win = group_window(t, timeout, "reduce_scatter")
+    win = group_window(t, timeout, "direct reduce_scatter", seq, flat.nbytes)
 
     def build() -> tuple[Any, bytes]:
         return (shape(t.size, flat.size, flat.dtype, win.slot_bytes, two=True, op=OPS[op], variant=PLAIN,

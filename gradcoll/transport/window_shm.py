@@ -36,7 +36,7 @@ import weakref
 from typing import Any
 
 from .._util import Deadline
-from ..errors import GradcollError, UsageError
+from ..errors import CollectiveTimeout, GradcollError, UsageError
 from .base import Transport
 from .shm_segment import PREFIX, _allocate, default_dir
 from .window import LAYOUT, WINDOW_TAG, MappedWindow, init_header, plan
@@ -116,21 +116,36 @@ def _create(t: Transport, nbytes: int, total: int, directory: str, deadline: Dea
             t.send(p, note, WINDOW_TAG, deadline.remaining())
         if _parse(note)[0] != "OK":
             raise GradcollError(f"rank 0: {_parse(note)[1]}")
-        answers = {p: _parse(_recv(t, p, deadline)) for p in peers}
+        answers: dict[int, tuple[str, str]] = {}
+        missing = []
+        for p in peers:
+            try:
+                answers[p] = _parse(_recv(t, p, deadline))
+            except CollectiveTimeout:
+                missing.append(p)
     except BaseException:
         os.unlink(path)
         os.close(fd)
         raise
     os.unlink(path)  # every rank has it mapped (or gave up): nothing can leak from here on
     failed = [f"rank {p}: {text}" for p, (kind, text) in answers.items() if kind != "OK"]
-    go = _message("ER", "; ".join(failed)) if failed else _message("GO", "")
-    for p in peers:
+    go = (_message("TO", ",".join(map(str, missing))) if missing else _message("ER", "; ".join(failed)) if failed
+          else _message("GO", ""))
+    for p in answers:
         t.send(p, go, WINDOW_TAG, deadline.remaining())
     assert mm is not None
-    if failed:
+    if missing or failed:
         os.close(fd)
-        raise GradcollError(f"rank 0: a peer could not map the window: {'; '.join(failed)}")
+        _raise(0, *_parse(go))
     return _window(mm, fd, 0, t.size)
+
+
+def _raise(rank: int, kind: str, text: str) -> None:
+    """The error of a set-up that failed: TO lists the ranks that did not answer in time."""
+    if kind == "TO":
+        who = [int(r) for r in text.split(",")]
+        raise CollectiveTimeout(f"rank {rank}: window set-up: rank(s) {text} did not arrive", rank=rank, missing=who)
+    raise GradcollError(f"rank {rank}: the window could not be set up: {text}")
 
 
 def _recv(t: Transport, peer: int, deadline: Deadline) -> bytearray:
@@ -163,8 +178,10 @@ def _attach(t: Transport, nbytes: int, total: int, directory: str, deadline: Dea
     try:
         t.send(0, answer, WINDOW_TAG, deadline.remaining())
         go = _parse(_recv(t, 0, deadline))
-        if answer[:2] != b"OK" or go[0] != "GO":
-            raise GradcollError(f"rank {me}: the window could not be set up: {_parse(answer)[1] or go[1]}")
+        if answer[:2] != b"OK":
+            raise GradcollError(f"rank {me}: the window could not be set up: {_parse(answer)[1]}")
+        if go[0] != "GO":
+            _raise(me, *go)
     except BaseException:
         if fd >= 0:
             os.close(fd)
