@@ -11,7 +11,6 @@ from __future__ import annotations
 
 import struct
 import time
-from typing import Any
 
 import numpy as np
 
@@ -45,8 +44,8 @@ class PyPlan:
         self.s, self.w, self.desc, self.check, self.divisor, self.backend = shape, win, desc, check, divisor, backend
         self.pieces = shape.npieces
         self.waited = 0.0
-        self.fmt = {BF16: "bf16", FP16: "fp16"}.get(shape.variant)
-        self.encode = self.fmt is not None and shape.item == 4  # else the buffer holds wire bits already
+        self.fmt = {BF16: "bf16", FP16: "fp16"}.get(shape.variant, "")
+        self.encode = bool(self.fmt) and shape.item == 4  # else the buffer holds wire bits already
         self.wdtype = np.dtype(np.uint16) if self.fmt else shape.dtype
         self.buf: np.ndarray = np.empty(0)
         self.out: np.ndarray | None = None

@@ -163,7 +163,7 @@ def fail(coll: Coll, win: Window, shape: Shape, eng: Engine, t0: int, status: in
     recs, same = records(win, t0) if status in (S_MISMATCH, S_NONFINITE) else ([], [])
     if status == S_MISMATCH:
         table = [r if ok else r._replace(status=PROTOCOL) for r, ok in zip(recs, same, strict=True)]
-        win.alarm(pack([table[coll.rank]._replace(status=PROTOCOL)]))
+        win.alarm(bytes(pack([table[coll.rank]._replace(status=PROTOCOL)])))
         verdict(coll, table, ALARMS)
         raise CollectiveMismatch(f"rank {coll.rank}: during {coll.where()}: rank {culprit}'s call differs")
     if status == S_NONFINITE:
@@ -207,7 +207,7 @@ def _alarms(coll: Coll, win: Window, exc: BaseException | None) -> NoReturn:
         raise exc or TransportClosed(f"rank {me}: this rank's transport was closed during {coll.where()}",
                                      rank=me, peer=me)
     own = _own(coll, exc)
-    mine = pack([own])
+    mine = bytes(pack([own]))
     win.alarm(mine)
     grace = Deadline(min(5.0, max(1.0, coll.timeout or 1.0)))
     table: list[Record | None] = [None] * n

@@ -115,7 +115,7 @@ class MpiTransport(Transport):
         pad = node.bcast((-whole.ctypes.data) % 4096 if self.rank == 0 else None, root=0)
         if (whole.ctypes.data + pad) % 64:
             raise BackendUnavailable(f"rank {self.rank}: the MPI shared segment maps at another page offset here")
-        mem = memoryview(whole[pad: pad + total])
+        mem = memoryview(whole[pad: pad + total].data)
         if self.rank == 0:  # MPI does not zero it
             mem[: headers + self.size * 1024] = bytes(headers + self.size * 1024)
             init_header(mem, self.size, nbytes)

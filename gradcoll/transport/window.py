@@ -164,7 +164,7 @@ class MappedWindow(Window):
                  yields: int | None = None) -> None:
         self.buf = buf
         self.u8 = np.frombuffer(buf, np.uint8)
-        magic, n, slot_bytes, stride, headers, slots = _GLOBAL.unpack_from(self.u8, 0)
+        magic, n, slot_bytes, stride, headers, slots = _GLOBAL.unpack_from(self.u8.data, 0)
         if magic != MAGIC or n != size or not 0 <= rank < size:
             raise ProtocolError(f"rank {rank}: not a gradcoll window of {size} ranks (or another layout version)")
         if len(self.u8) < slots + size * stride:
