@@ -71,7 +71,7 @@ def direct_allreduce(transport: Transport, buf: np.ndarray, *, op: str = "mean",
     Python steps with that backend's kernels.
     """
     win = transport._group_window
-    if win is not None and mode is None and backend is None:  # the hot path: one C call (Runner.allreduce)
+    if win is not None and mode is None and backend in (None, "cython"):  # the hot path: one C call (Runner.allreduce)
         runner = win.cache.get("window-run")
         code = OPS.get(op)
         if runner is not None and code is not None and hasattr(runner, "fast"):

@@ -72,6 +72,8 @@ OPEN, CLOSED, ALARM = 0, 1, 2
 _STATES = {OPEN: "open", CLOSED: "closed", ALARM: "alarm"}
 #: How often a waiting rank asks whether the rank it waits for is alive; the longest single sleep.
 PROBE_S = 0.05
+#: How long a waiter spins before it sleeps on the futex, when the group has a core per rank (seconds).
+SPIN_S = 50e-6
 SLICE_S = 0.05
 #: The tag of the window set-up messages over a transport's links (registered in ``gradcoll.algorithms.tags``).
 WINDOW_TAG = 0x7F000004
@@ -185,7 +187,7 @@ class MappedWindow(Window):
         self._local = [int(self._pid[r]) == os.getpid() for r in range(size)]
         cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
         crowded = size > cores  # more ranks than cores: a spinning rank takes a core from the one it waits for
-        self.spin_s = (0.0 if crowded else float(os.environ.get("GC_SPIN", "50e-6"))) if spin_s is None else spin_s
+        self.spin_s = (0.0 if crowded else SPIN_S) if spin_s is None else spin_s
         self.yields = (8 if crowded else 0) if yields is None else yields
         self._c = _compiled()
         self._handle = self._c.Handle(self.layout(), self.spin_s, self.yields) if self._c is not None else None
