@@ -636,11 +636,11 @@ cdef class Runner:
         self.regions.append((start, end))
 
     @staticmethod
-    def key(Py_ssize_t size, int typenum, int op, bint check):
-        """The key of ``fast`` for a plain call."""
-        return (((size << 3) | op) << 1 | check) << 1 | (typenum == cnp.NPY_DOUBLE)
+    def key(Py_ssize_t size, int typenum, int op, bint check, int variant=0):
+        """The key of ``fast`` for a call of ``variant`` (plain, exact, bf16 or fp16 wire)."""
+        return ((((size << 3) | op) << 1 | check) << 1 | (typenum == cnp.NPY_DOUBLE)) << 2 | variant
 
-    def allreduce(self, object buf, int op, bint check, int64_t seq, double timeout):
+    def allreduce(self, object buf, int op, bint check, int64_t seq, double timeout, int variant=0):
         cdef cnp.ndarray a
         cdef int typenum, st, culprit = -1
         cdef Py_ssize_t size, addr, stop, per, batch
@@ -660,7 +660,7 @@ cdef class Runner:
             for lo_hi in self.regions:
                 if addr < <Py_ssize_t>lo_hi[1] and addr + size * cnp.PyArray_ITEMSIZE(a) > <Py_ssize_t>lo_hi[0]:
                     return NotImplemented
-        entry = self.fast.get((((size << 3) | op) << 1 | check) << 1 | (typenum == cnp.NPY_DOUBLE))
+        entry = self.fast.get(((((size << 3) | op) << 1 | check) << 1 | (typenum == cnp.NPY_DOUBLE)) << 2 | variant)
         if entry is None:
             return NotImplemented
         plan = <Plan>entry[1]

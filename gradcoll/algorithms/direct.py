@@ -70,17 +70,8 @@ def direct_allreduce(transport: Transport, buf: np.ndarray, *, op: str = "mean",
     by size). ``backend``: a kernel backend other than ``cython`` runs the
     Python steps with that backend's kernels.
     """
-    win = transport._group_window
-    if win is not None and mode is None and backend in (None, "cython"):  # the hot path: one C call (Runner.allreduce)
-        runner = win.cache.get("window-run")
-        code = OPS.get(op)
-        if runner is not None and code is not None and hasattr(runner, "fast"):
-            how = runner.allreduce(buf, code, check_finite, seq, transport.timeout if timeout is None else timeout)
-            if how is None:
-                return buf
-            if how is not NotImplemented:
-                failed(transport, win, "direct allreduce", seq, transport.timeout if timeout is None else timeout,
-                       buf, how)
+    if mode is None and backend in (None, "cython") and _hot(transport, buf, op, check_finite, seq, timeout, PLAIN):
+        return buf
     flat = as_flat(buf, reduce=True)
     check_op(op)
     _allreduce(transport, buf, flat, op, check_finite, seq, timeout, backend, PLAIN, mode)
@@ -90,6 +81,8 @@ def direct_allreduce(transport: Transport, buf: np.ndarray, *, op: str = "mean",
 def direct_exact(transport: Transport, buf: np.ndarray, *, op: str, check_finite: bool, seq: int,
                  timeout: float | None, backend: str | None = None, mode: str | None = None) -> np.ndarray:
     """The deterministic allreduce on the window (``deterministic_allreduce(algorithm="direct")``)."""
+    if mode is None and backend in (None, "cython") and _hot(transport, buf, op, check_finite, seq, timeout, EXACT):
+        return buf
     _allreduce(transport, buf, buf.reshape(-1), op, check_finite, seq, timeout, backend, EXACT, mode)
     return buf
 
@@ -101,18 +94,41 @@ def direct_wire(transport: Transport, buf: np.ndarray, *, wire: str, op: str, ch
     ``buf`` is float32 (encoded on its way into the slot, decoded on its way
     out) or 16-bit wire values already (copied as they are).
     """
+    variant = BF16 if wire == "bf16" else FP16
+    if mode is None and backend in (None, "cython") and _hot(transport, buf, op, check_finite, seq, timeout, variant):
+        return buf
     flat = buf.reshape(-1)
     if flat.dtype != np.float32:
         flat = flat.view(np.uint16)
     _allreduce(transport, buf, flat, op, check_finite, seq, timeout, backend,
-               BF16 if wire == "bf16" else FP16, mode)
+               variant, mode)
     return buf
+
+
+def _hot(t: Transport, buf: np.ndarray, op: str, check: bool, seq: int, timeout: float | None, variant: int) -> bool:
+    """The hot path: the whole call in one C call (``Runner.allreduce``) once its engine exists; True if it ran.
+
+    It declines (False) what it has no engine for yet (the first call of a
+    size, op and variant, a region, another dtype): ``_allreduce`` builds it.
+    """
+    win = t._group_window
+    runner = None if win is None else win.cache.get("window-run")
+    code = OPS.get(op)
+    if win is None or runner is None or code is None or not hasattr(runner, "fast"):
+        return False
+    limit = t.timeout if timeout is None else timeout
+    how = runner.allreduce(buf, code, check, seq, limit, variant)
+    if how is None:
+        return True
+    if how is not NotImplemented:
+        failed(t, win, "direct allreduce" if variant == PLAIN else _name(variant), seq, limit, buf, how)
+    return False
 
 
 def _allreduce(t: Transport, buf: np.ndarray, flat: np.ndarray, op: str, check: bool, seq: int,
                timeout: float | None, backend: str | None, variant: int, mode: str | None) -> None:
     wire = {BF16: "bf16", FP16: "fp16"}.get(variant)
-    name = f"direct allreduce ({wire} wire)" if wire else f"{_VARIANT_NAMES[variant]}direct allreduce"
+    name = _name(variant)
     if mode not in _MODES:
         raise UsageError(f"mode must be 'one-shot', 'two-shot' or None, got {mode!r}")
     if t.size == 1:  # nothing to share: the frame's own finite check is the whole collective
@@ -134,11 +150,16 @@ def _allreduce(t: Transport, buf: np.ndarray, flat: np.ndarray, op: str, check: 
         return shp, desc
 
     fast = None
-    if variant == PLAIN and mode is None and region is None and flat.dtype in _FAST_DTYPES and flat.flags.aligned:
-        fast = state(t, win).key(flat.size, _FAST_DTYPES[flat.dtype], OPS[op], check) \
+    if mode is None and region is None and flat.dtype in _FAST_DTYPES and flat.flags.aligned:
+        fast = state(t, win).key(flat.size, _FAST_DTYPES[flat.dtype], OPS[op], check, variant) \
             if hasattr(state(t, win), "key") else None
     run(t, win, key, build, flat, None, name=name, seq=seq, timeout=timeout, check=check, backend=backend,
         fast=fast)
+
+
+def _name(variant: int) -> str:
+    wire = {BF16: "bf16", FP16: "fp16"}.get(variant)
+    return f"direct allreduce ({wire} wire)" if wire else f"{_VARIANT_NAMES[variant]}direct allreduce"
 
 
 _FAST_DTYPES = {np.dtype(np.float32): 11, np.dtype(np.float64): 12}  # NumPy's type numbers

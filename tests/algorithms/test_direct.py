@@ -1,0 +1,152 @@
+"""The direct allreduce over the shared window: schedules, variants, zero copy, auto's choice.
+
+Ranks are threads over the inproc transport (its window is ordinary
+memory the threads share). The oracle is the star's bits: both sum in rank
+order 0..n-1 and divide once, so the direct allreduce must equal it bit for
+bit, whichever schedule, piece size or engine (compiled or Python) ran.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any
+
+import numpy as np
+import pytest
+
+from gradcoll.algorithms import ALLREDUCE, select_allreduce
+from gradcoll.algorithms.deterministic import deterministic_allreduce
+from gradcoll.algorithms.direct import alloc, direct_allreduce
+from gradcoll.algorithms.low_precision import wire_allreduce
+from gradcoll.errors import NonFiniteError, UsageError
+from gradcoll.testing import gather_ranks
+from gradcoll.transport.inproc import create_world
+
+pytestmark = pytest.mark.timeout(120)
+
+MODES = [None, "one-shot", "two-shot"]
+OPS = ["mean", "sum", "max", "min"]
+
+
+def each_rank(n: int, fn: Callable[[int, Any], Any], timeout: float = 20.0) -> list[Any]:
+    ts = create_world(n, timeout=timeout)
+    try:
+        results, errors = gather_ranks(lambda r: fn(r, ts[r]), n)
+    finally:
+        for t in ts:
+            t.close()
+    for e in errors:
+        if e is not None:
+            raise e
+    return results
+
+
+def refill(buf: np.ndarray, data: np.ndarray) -> np.ndarray:
+    """``buf`` holding ``data`` again (each call of a pair reduces the same input)."""
+    buf[:] = data
+    return buf
+
+
+def star_bits(data: list[np.ndarray], op: str) -> bytes:
+    bufs = [d.copy() for d in data]
+    each_rank(len(data), lambda r, t: ALLREDUCE["star"](t, bufs[r], op=op, seq=1))
+    return bufs[0].tobytes()
+
+
+@pytest.mark.parametrize("mode", MODES)
+@pytest.mark.parametrize("n", range(1, 9))
+def test_every_schedule_equals_the_star_bitwise(mode: str | None, n: int) -> None:
+    rng = np.random.default_rng(n)
+    for count in sorted({0, 1, max(n - 1, 0), n + 1, 1000, 300_007}):
+        data = [rng.standard_normal(count).astype(np.float32) for _ in range(n)]
+        want = star_bits(data, "mean")
+        bufs = [d.copy() for d in data]
+        # Twice: the first call builds the engine, the second takes the compiled hot path.
+        each_rank(n, lambda r, t: [direct_allreduce(t, refill(bufs[r], data[r]),
+                                                    seq=s, mode=mode) for s in (1, 2)])
+        assert all(b.tobytes() == want for b in bufs), (n, count, mode)
+
+
+@pytest.mark.parametrize("op", OPS)
+@pytest.mark.parametrize("dtype", [np.float32, np.float64])
+def test_every_op_and_dtype_through_the_python_steps_and_the_compiled_ones(op: str, dtype: Any) -> None:
+    n, count = 4, 70_001
+    rng = np.random.default_rng(3)
+    data = [rng.standard_normal(count).astype(dtype) for _ in range(n)]
+    want = star_bits(data, op)
+    for backend in (None, "numpy"):
+        for mode in MODES:
+            bufs = [d.copy() for d in data]
+            each_rank(n, lambda r, t: direct_allreduce(t, bufs[r], op=op, seq=4, mode=mode, backend=backend))
+            assert all(b.tobytes() == want for b in bufs), (backend, mode)
+
+
+@pytest.mark.parametrize("mode", ["one-shot", "two-shot"])
+def test_nonfinite_names_the_contributor_and_index_in_both_schedules(mode: str) -> None:
+    n, count = 3, 200_000
+    bufs = [np.ones(count, np.float32) for _ in range(n)]
+    bufs[2][150_001] = np.inf
+    ts = create_world(n, timeout=10)
+    _, errors = gather_ranks(lambda r: direct_allreduce(ts[r], bufs[r], seq=9, mode=mode), n)
+    for r, e in enumerate(errors):
+        assert isinstance(e, NonFiniteError), (r, e)
+        assert (e.contributor, e.index, e.seq) == (2, 150_001, 9), str(e)
+
+
+def test_deterministic_on_the_window_equals_the_ring_bitwise() -> None:
+    n, count = 5, 50_000
+    rng = np.random.default_rng(5)
+    data = [(rng.standard_normal(count) * 10.0 ** rng.integers(-4, 5, count)).astype(np.float32) for _ in range(n)]
+    out: dict[str, list[np.ndarray]] = {}
+    for algo in ("ring", "direct"):
+        bufs = out[algo] = [d.copy() for d in data]
+        each_rank(n, lambda r, t: [deterministic_allreduce(t, refill(bufs[r], data[r]),
+                                                           algorithm=algo, seq=s) for s in (1, 2)])
+    assert all(b.tobytes() == out["ring"][0].tobytes() for b in out["direct"])
+
+
+@pytest.mark.parametrize("wire", ["bf16", "fp16"])
+def test_wire_dtype_on_the_window(wire: str) -> None:
+    n, count = 4, 30_000
+    rng = np.random.default_rng(6)
+    data = [rng.standard_normal(count).astype(np.float32) for _ in range(n)]
+    bufs = [d.copy() for d in data]
+    each_rank(n, lambda r, t: [wire_allreduce(t, refill(bufs[r], data[r]), wire=wire,
+                                              algorithm="direct", seq=s) for s in (1, 2)])
+    ref = np.stack(data).astype(np.float64).mean(0)
+    np.testing.assert_allclose(bufs[0], ref, rtol=2e-2, atol=2e-2)
+    assert all(b.tobytes() == bufs[0].tobytes() for b in bufs)
+
+
+def test_alloc_reduces_in_place_without_a_copy_in() -> None:
+    n, count = 3, 100_003
+
+    def rank(r: int, t: Any) -> tuple[bytes, bool]:
+        arr = alloc(t, count, np.float32)
+        assert arr.shape == (count,) and not arr.any()
+        win = t._group_window.cache["regions"][0]
+        assert np.shares_memory(arr, win.slot(r))
+        arr[:] = np.arange(count, dtype=np.float32) * (r + 1)
+        direct_allreduce(t, arr, op="sum", seq=1)
+        part = arr[10:5000]  # a part at the same offset on every rank
+        part[:] = r
+        direct_allreduce(t, part, op="max", seq=2)
+        return arr.tobytes(), bool((part == n - 1).all())
+
+    results = each_rank(n, rank)
+    want = np.arange(count, dtype=np.float32) * np.float32(sum(range(1, n + 1)))
+    want[10:5000] = n - 1
+    assert all(b == want.tobytes() and ok for b, ok in results)
+
+
+def test_alloc_checks_its_shape() -> None:
+    with pytest.raises(UsageError):
+        each_rank(2, lambda r, t: alloc(t, (-1, 3), np.float32))
+
+
+def test_auto_picks_direct_where_memory_is_shared() -> None:
+    for size in (2, 4, 8):
+        for nbytes in (4 << 10, 256 << 10, 4 << 20, 64 << 20):
+            assert select_allreduce(nbytes, size, "shm", shared_memory=True) == "direct"
+            assert select_allreduce(nbytes, size, "tcp", shared_memory=False) != "direct"
+    assert select_allreduce(4 << 10, 1, "shm", shared_memory=True) != "direct"  # nothing to share
