@@ -100,8 +100,9 @@ class Shape:
         start = self.res_off + ((t0 + k) % self.depth) * self.rslot
         return win.slot(r)[start: start + self.rslot]  # type: ignore[no-any-return]
 
-    def engine(self, win: Window, desc: bytes, check: bool, compiled: Any) -> Engine:
-        """The compiled plan (``compiled`` is ``_direct_c``) or, without it, the Python one."""
+    def engine(self, win: Window, desc: bytes, check: bool, compiled: Any, python: Any) -> Engine:
+        """The compiled plan (``compiled`` is ``_direct_c``) or, without it, the Python one (``python``:
+        ``_window_py.PyPlan``, passed in so that this module does not import the one that imports it)."""
         dt = self.dtype
         divisor = float(self.n) if self.op == OPS["mean"] else 1.0
         recip = 1.0 / divisor if math.frexp(divisor)[0] == 0.5 else 0.0
@@ -120,9 +121,7 @@ class Shape:
                                  res_off=self.res_off, divisor=divisor, recip=recip, limit=limit,
                                  exact=tuple(int(v) for v in exact), table=table, desc=desc, region=region,
                                  root=self.root, scatter=self.scatter)
-        from ._window_py import PyPlan
-
-        return PyPlan(self, win, desc, check, divisor, backend=None)
+        return python(self, win, desc, check, divisor, backend=None)
 
 
 def shape(n: int, count: int, dtype: np.dtype[Any], slot_bytes: int, *, two: bool, op: int, variant: int,

@@ -17,8 +17,7 @@ import numpy as np
 from .. import kernels
 from ..errors import CollectiveTimeout, TransportBroken, TransportClosed
 from ..kernels import lowp_reference
-from ..transport.base import Window
-from ..transport.window import WindowAlarm
+from ..transport.base import Window, WindowAlarm
 from ._window_plan import BCAST, BF16, EXACT, FP16, GATHER, OPS, Shape
 
 __all__ = ["PyPlan", "ARRIVED", "REDUCED", "DONE", "S_DONE", "S_MORE", "S_MISMATCH", "S_NONFINITE"]

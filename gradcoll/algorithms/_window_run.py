@@ -26,6 +26,7 @@ terms of the one verdict table (``gradcoll.algorithms._verdict``):
 
 from __future__ import annotations
 
+import importlib
 import time
 from collections.abc import Callable
 from typing import Any, NoReturn
@@ -36,12 +37,12 @@ from .._util import Deadline
 from ..errors import CollectiveMismatch, CollectiveTimeout, TransportBroken, TransportClosed, UsageError
 from ..kernels import lowp_reference
 from ..transport.base import Transport, Window
-from . import tags
 from ._common import Coll
 from ._handshake import Record, absent, pack, unpack, with_status
 from ._verdict import ALARMS, BROKEN, CLOSED, LINK_ERRORS, NONFINITE, PROTOCOL, TIMEOUT, verdict
 from ._window_plan import BF16, FP16, Engine, Shape, records
-from ._window_py import S_MISMATCH, S_MORE, S_NONFINITE
+from ._window_py import S_MISMATCH, S_MORE, S_NONFINITE, PyPlan
+from .tags import ALARM
 
 __all__ = ["run", "group_window", "state", "BATCH_BYTES", "compiled"]
 
@@ -53,10 +54,9 @@ _MAX_PLANS = 64
 def compiled() -> Any:
     """The compiled engines (``_direct_c``), or None when the extension was not built."""
     try:
-        from . import _direct_c  # type: ignore[attr-defined]
+        return importlib.import_module("gradcoll.algorithms._direct_c")
     except ImportError:
         return None
-    return _direct_c
 
 
 _COMPILED = compiled()
@@ -115,7 +115,7 @@ def run(t: Transport, win: Window, key: tuple[Any, ...], build: Callable[[], tup
     if entry is None:
         shape, desc = build()
         use = _COMPILED if backend in (None, "cython") else None
-        entry = (shape, shape.engine(win, desc, check, use), desc)
+        entry = (shape, shape.engine(win, desc, check, use, PyPlan), desc)
         if use is None:
             entry[1].backend = backend
         if len(st.plans) >= _MAX_PLANS:
@@ -216,7 +216,7 @@ def _alarms(coll: Coll, win: Window, exc: BaseException | None) -> NoReturn:
     for p in range(n):
         if p != me:
             try:
-                sends.append(t.isend(p, mine, tags.ALARM))
+                sends.append(t.isend(p, mine, ALARM))
             except LINK_ERRORS:
                 pass
     posted = {p: _post(t, p, table) for p in range(n) if p != me}

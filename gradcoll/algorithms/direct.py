@@ -39,7 +39,7 @@ from typing import Any
 import numpy as np
 
 from ..errors import UsageError
-from ..model.costmodel import direct_one_shot_bytes
+from ..model.window_model import direct_one_shot_bytes
 from ..transport.base import Transport, Window
 from ._common import Options, Workspace, as_flat, check_op
 from ._guard import guarded_allreduce

@@ -312,7 +312,7 @@ class ProcessGroup:
         order among its collectives. ``allreduce`` of the array, or of a
         contiguous part of it at the same offset on every rank, reduces it
         where it lies. It stays valid until the group closes. Needs ranks that
-        share memory (shm, inproc; mpi on one node). See docs/transports.md.
+        share memory (shm, inproc; mpi on one node). See docs/algorithms/direct.md.
         """
         from ..algorithms.direct import alloc
 

@@ -106,15 +106,12 @@ import numpy as np
 from ..errors import UsageError
 
 __all__ = ["AlphaBeta", "Node", "Work", "ALGORITHMS", "DIRECT_MODES", "PARAMETERS", "terms", "work", "predict", "best",
-           "fit", "crossovers", "busbw", "link_model", "stored_models", "FITTED_PATH", "EARLIER_TIME_KEYS",
-           "direct_one_shot_bytes", "WINDOW_MODEL"]
+           "fit", "crossovers", "busbw", "link_model", "stored_models", "FITTED_PATH", "EARLIER_TIME_KEYS"]
 
 #: The algorithms over links the model covers (``algorithm="auto"`` chooses among them where memory is not shared).
 ALGORITHMS = ("ring", "star", "recursive_doubling")
 #: The two schedules of the direct allreduce over a shared window (``gradcoll.algorithms.direct``).
 DIRECT_MODES = ("direct_one_shot", "direct_two_shot")
-#: The stored model of the shared window (its alpha is one publish-and-wait, not a message).
-WINDOW_MODEL = "window"
 
 #: The linear parameters ``fit`` can estimate, in this order.
 PARAMETERS = ("alpha_s", "switch_s", "beta_s_per_byte", "gamma_s_per_byte", "delta_s_per_byte", "mem_s_per_byte",
@@ -401,26 +398,3 @@ def stored_models(path: str = FITTED_PATH) -> dict[str, tuple[AlphaBeta, float |
         out[name] = (model, None if cores is None else float(cores), int(entry["max_ranks"]))
     return out
 
-
-#: Where one-shot gives way to two-shot when no window model is stored (bytes).
-DEFAULT_ONE_SHOT_BYTES = 64 << 10
-
-
-@functools.cache
-def direct_one_shot_bytes(n: int, path: str = FITTED_PATH) -> int:
-    """The largest buffer the direct allreduce runs one-shot on ``n`` ranks: below the stored window model's
-    crossover to two-shot (``DEFAULT_ONE_SHOT_BYTES`` without one)."""
-    if n <= 2:
-        n_model = n
-    else:
-        n_model = n
-    models = stored_models(path)
-    entry = models.get(WINDOW_MODEL)
-    if entry is None or n < 2:
-        return DEFAULT_ONE_SHOT_BYTES
-    model, cores, max_ranks = entry
-    node = Node(n_model, cores) if cores is not None and n <= max_ranks else None
-    for at, before, after in crossovers(model, n, lo=1 << 10, hi=1 << 30, algorithms=DIRECT_MODES, node=node):
-        if before == "direct_one_shot" and after == "direct_two_shot":
-            return at - 4
-    return (1 << 30) if best(n, 1 << 20, model, DIRECT_MODES, node=node) == "direct_one_shot" else 0

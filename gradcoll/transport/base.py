@@ -66,10 +66,10 @@ from collections.abc import Sequence
 from typing import Any, NamedTuple, Protocol
 
 from .._util import Deadline
-from ..errors import CollectiveTimeout, UsageError
+from ..errors import CollectiveTimeout, TransportError, UsageError
 
 __all__ = ["Transport", "Request", "QueuedRequest", "Deadline", "as_bytes_view", "as_writable_view", "Window",
-           "WindowLayout", "GROUP_WINDOW_BYTES"]
+           "WindowLayout", "WindowAlarm", "GROUP_WINDOW_BYTES"]
 
 #: Bytes of each rank's slot in the window the collectives share (``Transport.group_window``).
 GROUP_WINDOW_BYTES = 4 << 20
@@ -142,6 +142,15 @@ class QueuedRequest(Request):
 
     def cancel(self) -> bool:
         return self._t._cancel(self)
+
+
+class WindowAlarm(TransportError):
+    """A rank raised an alarm on the window (``peer``; its 64-byte ``record``): its collective failed."""
+
+    def __init__(self, message: str, *, rank: int | None = None, peer: int | None = None,
+                 record: bytes = b"") -> None:
+        super().__init__(message, rank=rank, peer=peer)
+        self.record = record
 
 
 class WindowLayout(NamedTuple):

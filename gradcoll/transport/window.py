@@ -53,8 +53,8 @@ from typing import Any
 import numpy as np
 
 from .._util import Deadline
-from ..errors import CollectiveTimeout, ProtocolError, TransportBroken, TransportClosed, TransportError, UsageError
-from .base import Window, WindowLayout
+from ..errors import CollectiveTimeout, ProtocolError, TransportBroken, TransportClosed, UsageError
+from .base import Window, WindowAlarm, WindowLayout
 
 __all__ = ["MappedWindow", "WindowAlarm", "plan", "init_header", "MAGIC", "PAGE", "HEADER_BYTES", "MAX_RANKS",
            "LAYOUT", "PROBE_S", "SLICE_S", "WINDOW_TAG"]
@@ -96,15 +96,6 @@ def init_header(buf: Any, size: int, slot_bytes: int) -> None:
     slot_bytes = max(LINE, -(-int(slot_bytes) // LINE) * LINE)
     _GLOBAL.pack_into(buf, 0, 0, size, slot_bytes, stride, headers, slots)
     struct.pack_into("<Q", buf, 0, MAGIC)  # last: a reader that sees the magic sees the rest
-
-
-class WindowAlarm(TransportError):
-    """A rank raised an alarm on the window (``peer``; its 64-byte ``record``): its collective failed."""
-
-    def __init__(self, message: str, *, rank: int | None = None, peer: int | None = None,
-                 record: bytes = b"") -> None:
-        super().__init__(message, rank=rank, peer=peer)
-        self.record = record
 
 
 # -- the futex, through ctypes (the fallback path) ------------------------------------------------
