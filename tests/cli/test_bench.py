@@ -119,7 +119,7 @@ def test_the_algorithm_column_is_what_the_group_ran(kw: dict[str, Any], expect: 
     for t in threads:
         t.join(timeout=50)
     assert not errors, errors
-    assert got == [expect or select_allreduce(nbytes, n, ts[0].name)] * n
+    assert got == [expect or select_allreduce(nbytes, n, ts[0].name, ts[0].shared_memory)] * n
 
 
 def test_parse_size_forms() -> None:
