@@ -3,7 +3,7 @@ PYTHON ?= python3
 VENV ?= .venv
 PY := $(VENV)/bin/python
 STAMP := $(VENV)/.gradcoll-installed
-SRC_DEPS := pyproject.toml setup.py gradcoll/kernels/_cython_kernels.pyx
+SRC_DEPS := pyproject.toml setup.py gradcoll/kernels/_cython_kernels.pyx gradcoll/kernels/_fused.h
 
 .PHONY: test demo bench docs fuzz faults install clean
 
