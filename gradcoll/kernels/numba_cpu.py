@@ -40,65 +40,84 @@ NAME = "numba"
 PARALLEL_ELEMS = 1 << 16
 #: Inputs summed in one pass (LLVM's limit on run-time alias checks, module docstring).
 GROUP = 8
-#: Calls on more elements are split: the non-finite counts are uint32.
-SPLIT = 1 << 31
+#: Elements per block: a thread takes a contiguous run of blocks; each block ORs its own finite flag.
+BLOCK = 16384
 
 
 
 def _sum(xs, out, f, mode, big):
-    """out = finish(xs[0] + ... + xs[n-1]); the number of non-finite results."""
+    """out = finish(xs[0] + ... + xs[n-1]); the number of blocks holding a non-finite result."""
     n = len(xs)
-    bad = np.uint32(0)
-    for i in prange(out.shape[0]):
-        s = out.dtype.type(xs[0][i])
-        for j in range(1, n):
-            s += xs[j][i]
-        if mode == MUL:
-            s = s * f
-        elif mode == DIV:
-            s = s / f
-        out[i] = s
-        bad += np.uint32(not (abs(s) <= big))
+    m = out.shape[0]
+    bad = 0
+    for b in prange((m + BLOCK - 1) // BLOCK):
+        lo, hi = np.uint64(b * BLOCK), np.uint64(min(m, (b + 1) * BLOCK))  # unsigned: no negative-index fix-up
+        flag = False
+        for i in range(lo, hi):
+            s = out.dtype.type(xs[0][i])
+            for j in range(1, n):
+                s += xs[j][i]
+            if mode == MUL:
+                s = s * f
+            elif mode == DIV:
+                s = s / f
+            out[i] = s
+            flag |= not (abs(s) <= big)
+        bad += flag
     return bad
 
 
 def _sum_into(xs, out, f, mode, big):
     """out = finish(out + xs[0] + ... + xs[n-1]): a further pass over more inputs."""
     n = len(xs)
-    bad = np.uint32(0)
-    for i in prange(out.shape[0]):
-        s = out[i]
-        for j in range(n):
-            s += xs[j][i]
-        if mode == MUL:
-            s = s * f
-        elif mode == DIV:
-            s = s / f
-        out[i] = s
-        bad += np.uint32(not (abs(s) <= big))
+    m = out.shape[0]
+    bad = 0
+    for b in prange((m + BLOCK - 1) // BLOCK):
+        lo, hi = np.uint64(b * BLOCK), np.uint64(min(m, (b + 1) * BLOCK))
+        flag = False
+        for i in range(lo, hi):
+            s = out[i]
+            for j in range(n):
+                s += xs[j][i]
+            if mode == MUL:
+                s = s * f
+            elif mode == DIV:
+                s = s / f
+            out[i] = s
+            flag |= not (abs(s) <= big)
+        bad += flag
     return bad
 
 
 def _accumulate(acc, x, f, mode, sc, doscale, big):
-    """acc = scale(finish(acc + x)); the number of non-finite results."""
-    bad = np.uint32(0)
-    for i in prange(acc.shape[0]):
-        s = acc[i] + x[i]
-        if mode == MUL:
-            s = s * f
-        elif mode == DIV:
-            s = s / f
-        if doscale:
-            s = s * sc
-        acc[i] = s
-        bad += np.uint32(not (abs(s) <= big))
+    """acc = scale(finish(acc + x)); the number of blocks holding a non-finite result."""
+    m = acc.shape[0]
+    bad = 0
+    for b in prange((m + BLOCK - 1) // BLOCK):
+        lo, hi = np.uint64(b * BLOCK), np.uint64(min(m, (b + 1) * BLOCK))
+        flag = False
+        for i in range(lo, hi):
+            s = acc[i] + x[i]
+            if mode == MUL:
+                s = s * f
+            elif mode == DIV:
+                s = s / f
+            if doscale:
+                s = s * sc
+            acc[i] = s
+            flag |= not (abs(s) <= big)
+        bad += flag
     return bad
 
 
 def _count_nonfinite(buf, big):
-    bad = np.uint32(0)
-    for i in prange(buf.shape[0]):
-        bad += np.uint32(not (abs(buf[i]) <= big))
+    m = buf.shape[0]
+    bad = 0
+    for b in prange((m + BLOCK - 1) // BLOCK):
+        flag = False
+        for i in range(np.uint64(b * BLOCK), np.uint64(min(m, (b + 1) * BLOCK))):
+            flag |= not (abs(buf[i]) <= big)
+        bad += flag
     return bad
 
 
@@ -144,18 +163,14 @@ def reduce_rows(rows: Sequence[np.ndarray] | np.ndarray, out: np.ndarray, acc_dt
                 check: bool) -> bool:
     """Fixed-order reduce of ``rows`` (2-D array or list of 1-D arrays) into ``out``."""
     target = reference.accumulator(out, acc_dtype)
-    m = target.shape[0]
     mode, f = finish(divisor, target.dtype)
     fac, big = target.dtype.type(f), _big(target.dtype)
+    par = target.shape[0] >= PARALLEL_ELEMS
+    passes = _tuples(list(rows))
     bad = 0
-    for lo in range(0, max(m, 1), SPLIT):
-        hi = min(lo + SPLIT, m)
-        par = hi - lo >= PARALLEL_ELEMS
-        passes = _tuples([r[lo:hi] for r in rows] if m > SPLIT else list(rows))
-        for k, xs in enumerate(passes):
-            fn = (sum_parallel if par else sum_serial) if k == 0 else (sum_into_parallel if par else sum_into_serial)
-            count = fn(xs, target[lo:hi], fac, mode if k == len(passes) - 1 else NONE, big)
-        bad += count  # the last pass's: a NaN/Inf of an earlier pass reaches it
+    for k, xs in enumerate(passes):
+        fn = (sum_parallel if par else sum_serial) if k == 0 else (sum_into_parallel if par else sum_into_serial)
+        bad = fn(xs, target, fac, mode if k == len(passes) - 1 else NONE, big)  # a NaN of a pass reaches the last
     return reference.store(out, target, bad == 0 or not check, check)
 
 
@@ -163,23 +178,15 @@ def accumulate(acc: np.ndarray, x: np.ndarray, scale: float | None, divisor: flo
     """In place ``acc += x`` with optional divide/scale; True when finite."""
     mode, f = finish(divisor, acc.dtype)
     t = acc.dtype.type
-    args = (t(f), mode, t(scale if scale is not None else 1.0), scale is not None, _big(acc.dtype))
-    ok = True
-    for lo in range(0, max(acc.shape[0], 1), SPLIT):
-        a, b = acc[lo:lo + SPLIT], x[lo:lo + SPLIT]
-        fn = accumulate_parallel if a.shape[0] >= PARALLEL_ELEMS else accumulate_serial
-        ok = fn(a, b, *args) == 0 and ok
-    return ok or not check
+    fn = accumulate_parallel if acc.shape[0] >= PARALLEL_ELEMS else accumulate_serial
+    bad = fn(acc, x, t(f), mode, t(scale if scale is not None else 1.0), scale is not None, _big(acc.dtype))
+    return bad == 0 or not check
 
 
 def is_all_finite(buf: np.ndarray) -> bool:
     """True when every element is finite."""
-    big = _big(buf.dtype)
-    for lo in range(0, max(buf.shape[0], 1), SPLIT):
-        b = buf[lo:lo + SPLIT]
-        if (finite_parallel if b.shape[0] >= PARALLEL_ELEMS else finite_serial)(b, big):
-            return False
-    return True
+    fn = finite_parallel if buf.shape[0] >= PARALLEL_ELEMS else finite_serial
+    return bool(fn(buf, _big(buf.dtype)) == 0)
 
 
 def scale(buf: np.ndarray, factor: float) -> None:

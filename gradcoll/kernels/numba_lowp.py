@@ -25,6 +25,7 @@ from .reference import DIV, MUL, NONE, finish
 
 NAME = "numba"
 PARALLEL_ELEMS = 1 << 16
+BLOCK = 16384  # as numba_cpu
 
 BF16, FP16 = 0, 1
 
@@ -50,37 +51,55 @@ def _enc_fp16(u):
 
 
 def _encode(u, w, fmt):
-    """float32 bits ``u`` -> wire ``w``; the number of encoded values that are Inf/NaN."""
-    bad = np.uint32(0)
-    if fmt == BF16:
-        for i in prange(u.shape[0]):
-            v = _enc_bf16(u[i])
-            w[i] = np.uint16(v)
-            bad += np.uint32((v & np.uint32(0x7F80)) == np.uint32(0x7F80))
-    else:
-        for i in prange(u.shape[0]):
-            v = _enc_fp16(u[i])
-            w[i] = np.uint16(v)
-            bad += np.uint32((v & np.uint32(0x7C00)) == np.uint32(0x7C00))
+    """float32 bits ``u`` -> wire ``w``; the number of blocks holding an encoded Inf/NaN."""
+    m = u.shape[0]
+    bad = 0
+    for b in prange((m + BLOCK - 1) // BLOCK):
+        lo, hi = np.uint64(b * BLOCK), np.uint64(min(m, (b + 1) * BLOCK))  # unsigned: no negative-index fix-up
+        flag = False
+        if fmt == BF16:
+            for i in range(lo, hi):
+                v = _enc_bf16(u[i])
+                w[i] = np.uint16(v)
+                flag |= (v & np.uint32(0x7F80)) == np.uint32(0x7F80)
+        else:
+            for i in range(lo, hi):
+                v = _enc_fp16(u[i])
+                w[i] = np.uint16(v)
+                flag |= (v & np.uint32(0x7C00)) == np.uint32(0x7C00)
+        bad += flag
     return bad
 
 
 def _accumulate(acc, w, table, fmt, f, mode, decode_only):
-    """``acc = finish(acc + decode(w))`` (``acc = decode(w)`` with ``decode_only``); the non-finite count."""
-    bad = np.uint32(0)
+    """``acc = finish(acc + decode(w))`` (``acc = decode(w)`` with ``decode_only``); the non-finite block count."""
+    m = acc.shape[0]
     big = np.float32(np.finfo(np.float32).max)
-    for i in prange(acc.shape[0]):
+    bad = 0
+    for b in prange((m + BLOCK - 1) // BLOCK):
+        lo, hi = np.uint64(b * BLOCK), np.uint64(min(m, (b + 1) * BLOCK))
+        flag = False
         if fmt == BF16:
-            x = np.uint32(np.uint32(w[i]) << np.uint32(16)).view(np.float32)
+            for i in range(lo, hi):
+                x = np.uint32(np.uint32(w[i]) << np.uint32(16)).view(np.float32)
+                s = x if decode_only else acc[i] + x
+                if mode == MUL:
+                    s = s * f
+                elif mode == DIV:
+                    s = s / f
+                acc[i] = s
+                flag |= not (abs(s) <= big)
         else:
-            x = table[w[i]]
-        s = x if decode_only else acc[i] + x
-        if mode == MUL:
-            s = s * f
-        elif mode == DIV:
-            s = s / f
-        acc[i] = s
-        bad += np.uint32(not (abs(s) <= big))
+            for i in range(lo, hi):
+                x = table[w[i]]
+                s = x if decode_only else acc[i] + x
+                if mode == MUL:
+                    s = s * f
+                elif mode == DIV:
+                    s = s / f
+                acc[i] = s
+                flag |= not (abs(s) <= big)
+        bad += flag
     return bad
 
 
