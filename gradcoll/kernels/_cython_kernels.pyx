@@ -274,8 +274,7 @@ def accumulate_fast(object acc, object x, object scale, object divisor, bint che
 
 # -- low-precision kernels (same bits as lowp_reference.py; the loops are in _fused.h) -----------------------
 
-def lowp_encode(cnp.ndarray src, cnp.ndarray dst, bint fp16):
-    """float32 ``src`` -> uint16 ``dst``; True when every encoded value is finite."""
+cdef bint _encode(cnp.ndarray src, cnp.ndarray dst, bint fp16):
     cdef Py_ssize_t m = cnp.PyArray_SIZE(src)
     cdef uint32_t* u = <uint32_t*>cnp.PyArray_DATA(src)
     cdef uint16_t* w = <uint16_t*>cnp.PyArray_DATA(dst)
@@ -288,9 +287,8 @@ def lowp_encode(cnp.ndarray src, cnp.ndarray dst, bint fp16):
     return ok != 0
 
 
-def lowp_accumulate(cnp.ndarray acc, cnp.ndarray src, cnp.ndarray table, bint fp16, double divisor, bint dodiv,
+cdef bint _lowp_acc(cnp.ndarray acc, cnp.ndarray src, cnp.ndarray table, bint fp16, double divisor, bint dodiv,
                     bint decode_only):
-    """``acc += decode(src)`` (``acc = decode(src)`` with ``decode_only``), then ``/= divisor``; True when finite."""
     cdef Py_ssize_t m = cnp.PyArray_SIZE(acc)
     cdef float* a = <float*>cnp.PyArray_DATA(acc)
     cdef uint16_t* w = <uint16_t*>cnp.PyArray_DATA(src)
@@ -307,6 +305,79 @@ def lowp_accumulate(cnp.ndarray acc, cnp.ndarray src, cnp.ndarray table, bint fp
             ok = (gc_acc_fp16(a, w, t, m, <float>f, mode, decode_only) if fp16
                   else gc_acc_bf16(a, w, m, <float>f, mode, decode_only))
     return ok != 0
+
+
+def lowp_encode(cnp.ndarray src, cnp.ndarray dst, bint fp16):
+    """float32 ``src`` -> uint16 ``dst``; True when every encoded value is finite."""
+    return _encode(src, dst, fp16)
+
+
+def lowp_accumulate(cnp.ndarray acc, cnp.ndarray src, cnp.ndarray table, bint fp16, double divisor, bint dodiv,
+                    bint decode_only):
+    """``acc += decode(src)`` (``acc = decode(src)`` with ``decode_only``), then ``/= divisor``; True when finite."""
+    return _lowp_acc(acc, src, table, fp16, divisor, dodiv, decode_only)
+
+
+cdef object _fp16_table = None
+
+
+def set_fp16_table(cnp.ndarray table):
+    """Keep the float32 value of every fp16 bit pattern (``lowp_reference.fp16_table``) for the fast entries."""
+    global _fp16_table
+    _fp16_table = table
+
+
+cdef inline int _wire_code(object wire):
+    """0 for bf16, 1 for fp16, -1 for anything else (the facade then explains)."""
+    if wire == "bf16":
+        return 0
+    if wire == "fp16":
+        return 1
+    return -1
+
+
+def lowp_encode_fast(object src, object dst, object wire, bint check, Py_ssize_t limit):
+    """Fast path of ``encode_wire``: a plain float32 ``src`` of at most ``limit`` elements, a plain writeable
+    uint16 ``dst`` of the same size (or None). Returns ``dst``, False when an encoded value is Inf/NaN
+    (``dst`` filled), or None when the fast path does not apply."""
+    cdef cnp.ndarray a, w
+    cdef Py_ssize_t m
+    cdef int code = _wire_code(wire)
+    if code < 0 or not cnp.PyArray_CheckExact(src):
+        return None
+    a = <cnp.ndarray>src
+    m = cnp.PyArray_SIZE(a)
+    if m > limit or not _plain_float_array(a, cnp.NPY_FLOAT, m):
+        return None
+    if dst is None:
+        w = cnp.PyArray_EMPTY(cnp.PyArray_NDIM(a), cnp.PyArray_DIMS(a), cnp.NPY_UINT16, 0)
+    elif not (cnp.PyArray_CheckExact(dst) and cnp.PyArray_TYPE(<cnp.ndarray>dst) == cnp.NPY_UINT16
+              and cnp.PyArray_ISCARRAY(<cnp.ndarray>dst) and cnp.PyArray_SIZE(<cnp.ndarray>dst) == m):
+        return None
+    else:
+        w = <cnp.ndarray>dst
+    return w if _encode(a, w, code == 1) or not check else False
+
+
+def lowp_accumulate_fast(object acc, object x, object wire, object divisor, bint check, Py_ssize_t limit):
+    """Fast path of ``accumulate_wire``: a plain writeable float32 ``acc`` of at most ``limit`` elements and a
+    plain uint16 ``x`` of the same size. Returns True/False (finite or not) or None when it does not apply."""
+    cdef cnp.ndarray a, w
+    cdef Py_ssize_t m
+    cdef double d
+    cdef int code = _wire_code(wire)
+    if code < 0 or _fp16_table is None or not cnp.PyArray_CheckExact(acc) or not cnp.PyArray_CheckExact(x):
+        return None
+    if divisor is not None and divisor == 0:
+        return None
+    a = <cnp.ndarray>acc
+    w = <cnp.ndarray>x
+    m = cnp.PyArray_SIZE(a)
+    if (m > limit or cnp.PyArray_TYPE(a) != cnp.NPY_FLOAT or not cnp.PyArray_ISCARRAY(a)
+            or cnp.PyArray_TYPE(w) != cnp.NPY_UINT16 or not cnp.PyArray_ISCARRAY_RO(w) or cnp.PyArray_SIZE(w) != m):
+        return None
+    d = 1.0 if divisor is None else <double>divisor
+    return _lowp_acc(a, w, <cnp.ndarray>_fp16_table, code == 1, d, d != 1.0, False) or not check
 
 
 # -- the selection policy's view of GRADCOLL_KERNELS (gradcoll/kernels/select.py) ---------------------------
