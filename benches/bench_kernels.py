@@ -292,10 +292,18 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--rounds", type=int, default=11)
     p.add_argument("--batch-ms", type=float, default=4.0, help="time per timed batch of calls")
     p.add_argument("--quick", action="store_true", help="sizes 1e3 and 7e4, one round: checks the harness")
+    p.add_argument("--stream-bytes", type=_size, help="outputs from this size on are written with non-temporal "
+                   "stores by the compiled kernels (default: theirs; 0: always; 1e30: never)")
     p.add_argument("--json", help="also write the rows to this file")
     a = p.parse_args(argv)
     if a.quick:
         a.sizes, a.rounds, a.batch_ms = [1_000, 70_000], 1, 0.2
+    if a.stream_bytes is not None:
+        from gradcoll.kernels._compiled import extension
+
+        ext = extension()
+        if ext is not None:
+            ext.set_stream_bytes(min(a.stream_bytes, 1 << 62))
     import numba
 
     print(f"numba {numba.__version__}, threading layer ", end="")

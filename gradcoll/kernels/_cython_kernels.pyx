@@ -39,8 +39,10 @@ cdef enum:
     # Below this many elements moved the GIL is kept: releasing and taking it back costs more than the work.
     NOGIL_ELEMS = 32768
 
-#: Outputs of at least this many bytes are written with non-temporal stores (they would not stay in cache).
-STREAM_BYTES = 1 << 62
+#: Outputs of at least this many bytes are written with non-temporal stores: an output as large as the
+#: last-level cache (32 MiB on the CI machine) cannot stay in it anyway, and these stores skip reading every
+#: output line before it is overwritten. ``set_stream_bytes`` changes it (benches/bench_kernels.py --stream-bytes).
+STREAM_BYTES = 32 << 20
 cdef Py_ssize_t _stream_bytes = STREAM_BYTES
 
 

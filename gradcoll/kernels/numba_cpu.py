@@ -27,6 +27,7 @@ running sum back from the output (the same order of additions).
 from __future__ import annotations
 
 from collections.abc import Sequence
+from typing import Any
 
 import numpy as np
 from numba import njit, prange
@@ -140,7 +141,8 @@ def scale_parallel(buf, factor):
         buf[i] = buf[i] * f
 
 
-def _big(dtype: np.dtype) -> np.floating:
+def _big(dtype: np.dtype) -> Any:
+    """The largest finite value of ``dtype``: ``abs(s) <= big`` is False exactly for NaN and the infinities."""
     return dtype.type(np.finfo(dtype).max)
 
 
@@ -154,7 +156,7 @@ def _tuples(rows: Sequence[np.ndarray]) -> list[tuple[np.ndarray, ...]]:
 
 
 def _readonly(a: np.ndarray) -> np.ndarray:
-    v = a.view()
+    v: np.ndarray = a.view()
     v.flags.writeable = False
     return v
 

@@ -255,7 +255,6 @@ def _pick(kind: str, names: tuple[str, ...], device: bool) -> ModuleType:
 
 
 FastEntry = tuple[Any, ...] | None  # (entry, ..., the most elements it may take)
-_MISS: Any = object()
 #: kind -> request -> the fast path of ``fast_path`` (filled on first use: the extension loads then).
 _FAST_CACHE: dict[str, dict[str | None, FastEntry]] = {kind: {} for kind in _FAST}
 
@@ -270,17 +269,19 @@ def fast_path(kind: str, backend: Any = None) -> FastEntry:
     """
     if backend is None:
         backend = kernels_env()
-    elif not isinstance(backend, str):
+    elif type(backend) is not str:
         return None  # an injected backend gets every call
+    try:
+        return _FAST_CACHE[kind][backend]
+    except KeyError:  # first call for this kind and request (or a kind without a fast path)
+        pass
     cache = _FAST_CACHE.get(kind)
     if cache is None:
         return None
-    entry = cache.get(backend, _MISS)
-    if entry is _MISS:
-        entry = _fast_entry(kind, backend)
-        if backend is None or backend in BACKENDS:  # unknown names are not remembered (resolve rejects them)
-            cache[backend] = entry
-    return entry  # type: ignore[no-any-return]
+    entry = _fast_entry(kind, backend)
+    if backend is None or backend in BACKENDS:  # unknown names are not remembered (resolve rejects them)
+        cache[backend] = entry
+    return entry
 
 
 def _fast_entry(kind: str, backend: str | None) -> FastEntry:
