@@ -25,7 +25,7 @@ demo: $(STAMP)
 	$(PY) -m gradcoll demo
 
 bench: $(STAMP)
-	$(PY) -m pytest benches/bench_kernels.py --benchmark-enable --benchmark-only -q
+	mkdir -p build && $(PY) benches/bench_kernels.py --json build/bench_kernels.json
 
 fuzz: $(STAMP)
 	GRADCOLL_FUZZ_EXAMPLES=20000 $(PY) -m pytest -q tests/fuzz -p no:cacheprovider

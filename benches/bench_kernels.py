@@ -274,8 +274,42 @@ def measure(case: Case, rounds: int, batch_s: float) -> dict[str, float]:
     return {"ours_us": float(np.median(t["ours"])) * 1e6, "plain_us": float(np.median(t["plain"])) * 1e6,
             "stream_us": float(np.median(t["stream"])) * 1e6,
             "ratio": float(np.median(t["plain"] / t["ours"])), "of_limit": float(np.median(t["stream"] / t["ours"])),
-            "spread": float((q3 - q1) / np.median(t["ours"])), "calls": number,
+            "spread": float((q3 - q1) / np.median(t["ours"])), "calls": number, "best_us": float(t["ours"].min()) * 1e6,
             "best_ratio": float(t["plain"].min() / t["ours"].min()), "best_of_limit": float(t["stream"].min() / t["ours"].min())}
+
+
+# -- the kernel issue's targets, checked on the rows of this run ------------------------------------------------
+
+def targets(rows: list[dict]) -> list[tuple[str, str, float, float, bool]]:
+    """(kind, criterion, worst median figure, worst best-round figure, met) for every target the rows cover.
+
+    parallel (``backend=None``): 1e3 at most 1.0 us per call; 1e5 at least 1.2x the plain parallel loop;
+    from 1e6 at least 0.9 of the 2-thread streaming limit and at least 1.0x the plain loop. serial
+    (``backend="cython"``): from 1e4 at least 1.0x the serial plain loop; from 1e6 at least 0.9 of the
+    serial streaming loop. The verdict goes by the medians; the best rounds show what a quiet machine gives.
+    """
+    crit: list[tuple[str, Callable[[dict], bool], str, float, bool]] = [  # mode, sizes, figure, bound, at least
+        ("parallel", lambda r: r["size"] <= 1_000, "ours_us", 1.0, False),
+        ("parallel", lambda r: r["size"] == 100_000, "ratio", 1.2, True),
+        ("parallel", lambda r: r["size"] >= 1_000_000, "of_limit", 0.9, True),
+        ("parallel", lambda r: r["size"] >= 1_000_000, "ratio", 1.0, True),
+        ("serial", lambda r: r["size"] >= 10_000, "ratio", 1.0, True),
+        ("serial", lambda r: r["size"] >= 1_000_000, "of_limit", 0.9, True),
+    ]
+    out = []
+    for kind in dict.fromkeys(r["kind"] for r in rows):
+        for mode, sizes, fig, bound, at_least in crit:
+            sel = [r for r in rows if r["kind"] == kind and r["mode"] == mode and sizes(r)]
+            if not sel:
+                continue
+            best_key = {"ours_us": "best_us", "ratio": "best_ratio", "of_limit": "best_of_limit"}[fig]
+            pick = min if at_least else max
+            worst, worst_best = pick(r[fig] for r in sel), pick(r.get(best_key, r[fig]) for r in sel)
+            lo, hi = min(r["size"] for r in sel), max(r["size"] for r in sel)
+            where = f"{lo:.0e}" if lo == hi else f"{lo:.0e}-{hi:.0e}"
+            what = f"{mode} {where} {fig} {'>=' if at_least else '<='} {bound}"
+            out.append((kind, what, worst, worst_best, worst >= bound if at_least else worst <= bound))
+    return out
 
 
 def _size(text: str) -> int:
@@ -329,6 +363,9 @@ def main(argv: list[str] | None = None) -> int:
                               f"{res['plain_us']:>10.2f} {res['stream_us']:>10.2f} {res['ratio']:>6.2f} "
                               f"{res['of_limit']:>8.2f} {res['spread']:>6.2f} {res['best_ratio']:>10.2f} "
                               f"{res['best_of_limit']:>8.2f}", flush=True)
+    print("\ntargets (worst over the sizes and n of this run; 'best' is the worst of the best-round figures)")
+    for kind, what, worst, worst_best, met in targets(rows):
+        print(f"{kind:<13} {what:<42} {worst:>8.2f} {worst_best:>8.2f}  {'met' if met else 'MISSED'}")
     if a.json:
         with open(a.json, "w") as f:
             json.dump(rows, f, indent=1)
