@@ -369,35 +369,28 @@ __attribute__((target("avx2"))) static gc_ssize gc_encode_bf16_hw(const uint32_t
 }
 #endif
 
-GC_CLONES static int gc_encode_bf16(const uint32_t *restrict u, uint16_t *restrict w, gc_ssize m) {
-    gc_ssize i = 0;
-    uint32_t flag = 0, v;
+/* One encode: the vector loop where the CPU has it, then the scalar conversion for the rest; 1 when every
+ * encoded value is finite (EXP: the format's exponent bits, ULP: their lowest bit). */
 #if defined(GC_F16C)
-    if (gc_has_f16c())
-        i = gc_encode_bf16_hw(u, w, m, &flag);
+#define GC_ENCODE_HW(HW) if (gc_has_f16c()) i = HW(u, w, m, &flag);
+#else
+#define GC_ENCODE_HW(HW)
 #endif
-    for (; i < m; i++) {
-        v = gc_bf16(u[i]);
-        w[i] = (uint16_t)v;
-        flag |= (v & 0x7f80u) + 0x0080u;
+#define GC_DEFINE_ENCODE(NAME, CONV, HW, EXP, ULP)                                                     \
+    GC_CLONES static int NAME(const uint32_t *restrict u, uint16_t *restrict w, gc_ssize m) {          \
+        gc_ssize i = 0;                                                                                \
+        uint32_t flag = 0, v;                                                                          \
+        GC_ENCODE_HW(HW)                                                                               \
+        for (; i < m; i++) {                                                                           \
+            v = CONV(u[i]);                                                                            \
+            w[i] = (uint16_t)v;                                                                        \
+            flag |= (v & (EXP)) + (ULP);                                                               \
+        }                                                                                              \
+        return (flag & 0x8000u) == 0;                                                                  \
     }
-    return (flag & 0x8000u) == 0;
-}
 
-GC_CLONES static int gc_encode_fp16(const uint32_t *restrict u, uint16_t *restrict w, gc_ssize m) {
-    gc_ssize i = 0;
-    uint32_t flag = 0, v;
-#if defined(GC_F16C)
-    if (gc_has_f16c())
-        i = gc_encode_fp16_hw(u, w, m, &flag);
-#endif
-    for (; i < m; i++) {
-        v = gc_fp16(u[i]);
-        w[i] = (uint16_t)v;
-        flag |= (v & 0x7c00u) + 0x0400u;
-    }
-    return (flag & 0x8000u) == 0;
-}
+GC_DEFINE_ENCODE(gc_encode_bf16, gc_bf16, gc_encode_bf16_hw, 0x7f80u, 0x0080u)
+GC_DEFINE_ENCODE(gc_encode_fp16, gc_fp16, gc_encode_fp16_hw, 0x7c00u, 0x0400u)
 
 /* acc = finish(acc + decode(w)), or acc = decode(w) when decode_only; 1 when every result is finite.
  * bf16 widens by a shift; fp16 reads the 65,536-entry table of float32 values. */
