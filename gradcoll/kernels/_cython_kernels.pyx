@@ -76,21 +76,20 @@ cdef bint _run_reduce(void** ptrs, Py_ssize_t n, Py_ssize_t m, cnp.ndarray out, 
     if mode == GC_MUL and not acc64 and not (1.1754943508222875e-38 <= f <= 1.7014118346046923e+38):
         mode, f = GC_DIV, divisor  # the float32 reciprocal would not be exact
     if m * n < NOGIL_ELEMS:
-        if src64:
-            ok = gc_reduce_dd(<const double**>ptrs, n, m, <double*>po, f, mode, nt)
-        elif acc64:
-            ok = gc_reduce_fd(<const float**>ptrs, n, m, <double*>po, f, mode, nt)
-        else:
-            ok = gc_reduce_ff(<const float**>ptrs, n, m, <float*>po, <float>f, mode, nt)
+        ok = _reduce_c(ptrs, n, m, po, src64, acc64, f, mode, nt)
     else:
         with nogil:
-            if src64:
-                ok = gc_reduce_dd(<const double**>ptrs, n, m, <double*>po, f, mode, nt)
-            elif acc64:
-                ok = gc_reduce_fd(<const float**>ptrs, n, m, <double*>po, f, mode, nt)
-            else:
-                ok = gc_reduce_ff(<const float**>ptrs, n, m, <float*>po, <float>f, mode, nt)
+            ok = _reduce_c(ptrs, n, m, po, src64, acc64, f, mode, nt)
     return ok or not check
+
+
+cdef inline int _reduce_c(void** ptrs, Py_ssize_t n, Py_ssize_t m, void* po, int src64, int acc64, double f,
+                          int mode, int nt) noexcept nogil:
+    if src64:
+        return gc_reduce_dd(<const double**>ptrs, n, m, <double*>po, f, mode, nt)
+    if acc64:
+        return gc_reduce_fd(<const float**>ptrs, n, m, <double*>po, f, mode, nt)
+    return gc_reduce_ff(<const float**>ptrs, n, m, <float*>po, <float>f, mode, nt)
 
 
 def reduce_list(list rows, cnp.ndarray out, double divisor, bint check):
