@@ -4,7 +4,7 @@
 * ``gradcoll.transport._window_c``: the waiting protocol of shared windows (futex, liveness probes);
 * ``gradcoll.algorithms._direct_c``: the direct allreduce over a window, one ``nogil`` call per collective.
 
-Floating-point contraction is off for the window code: the deterministic reduction relies on every
+Floating-point contraction is off: the kernels and the deterministic reduction rely on every
 multiply and add being rounded on its own, as IEEE says (an FMA would change its bits).
 """
 
@@ -15,15 +15,16 @@ from Cython.Build import cythonize
 from setuptools import Extension, setup
 
 flags = ["-O3"] if os.name != "nt" else []
+# No contraction into fused multiply-adds: every backend must round each operation as IEEE does.
+exact = flags + (["-ffp-contract=off"] if os.name != "nt" else [])
 macros = [("NPY_NO_DEPRECATED_API", "NPY_1_7_API_VERSION")]
 exts = [
     Extension("gradcoll.kernels._cython_kernels", ["gradcoll/kernels/_cython_kernels.pyx"],
-              include_dirs=[np.get_include()], define_macros=macros, extra_compile_args=flags),
-    Extension("gradcoll.transport._window_c", ["gradcoll/transport/_window_c.pyx"],
-              extra_compile_args=flags + (["-ffp-contract=off"] if os.name != "nt" else [])),
+              include_dirs=[np.get_include()], define_macros=macros, depends=["gradcoll/kernels/_fused.h"],
+              extra_compile_args=exact),
+    Extension("gradcoll.transport._window_c", ["gradcoll/transport/_window_c.pyx"], extra_compile_args=exact),
     Extension("gradcoll.algorithms._direct_c", ["gradcoll/algorithms/_direct_c.pyx"],
-              include_dirs=[np.get_include()], define_macros=macros,
-              extra_compile_args=flags + (["-ffp-contract=off"] if os.name != "nt" else [])),
+              include_dirs=[np.get_include()], define_macros=macros, extra_compile_args=exact),
 ]
 
 setup(ext_modules=cythonize(exts, compiler_directives={"language_level": "3"}))
