@@ -29,6 +29,7 @@ Needs torch (``pip install 'gradcoll[torch]'``).
 from __future__ import annotations
 
 import argparse
+import io
 import json
 import os
 import statistics
@@ -133,24 +134,14 @@ def worker(models: list[str], steps: int, rounds: int, batch: int) -> None:
 def run(n: int, models: list[str], steps: int, rounds: int, batch: int) -> list[dict]:
     from gradcoll.cli.launch import launch
 
-    class Sink:
-        text = ""
-
-        def write(self, s: str) -> int:
-            self.text += s
-            return len(s)
-
-        def flush(self) -> None:
-            pass
-
-    sink = Sink()
+    sink = io.StringIO()
     cmd = [sys.executable, HERE, "--worker", "--models", *models, "--steps", str(steps), "--rounds", str(rounds),
            "--batch", str(batch)]
     # GRADCOLL_BACKEND is what `launch` sets; "shm" is what the backend picks by itself for ranks on one host.
     res = launch(cmd, n, backend="shm", prefix=False, out=sink, timeout=3600, env={"OMP_NUM_THREADS": "1"})
     if not res.ok:
-        print(f"# {n} ranks failed:\n{sink.text[-3000:]}", file=sys.stderr)
-    return [json.loads(line.split(TAG, 1)[1]) for line in sink.text.splitlines() if TAG in line]
+        print(f"# {n} ranks failed:\n{sink.getvalue()[-3000:]}", file=sys.stderr)
+    return [json.loads(line.split(TAG, 1)[1]) for line in sink.getvalue().splitlines() if TAG in line]
 
 
 def table(rows: list[dict]) -> str:

@@ -121,8 +121,14 @@ def _new_bucket(index: int, params: list[tuple[str, torch.nn.Parameter]], group:
         offsets.append(off)
         off += p.numel()
     dtype = np.dtype(REDUCE_DTYPES[params[0][1].dtype])
-    alloc = getattr(group, "alloc", None)  # registered memory of the group (shared windows), where it has some
-    buf = np.asarray(alloc(off, dtype)) if callable(alloc) else np.empty(off, dtype)
+    # Where the group can give memory in a shared window (ranks that share memory), the bucket lives there and
+    # is reduced where it lies; alloc is collective, and shared_memory is the same on every rank.
+    alloc = getattr(group, "alloc", None)
+    shared = bool(getattr(getattr(group, "transport", None), "shared_memory", False))
+    if callable(alloc) and shared and dtype in (np.float32, np.float64):
+        buf = np.asarray(alloc(off, dtype))
+    else:
+        buf = np.empty(off, dtype)
     buf[...] = 0
     return _Bucket(index, params, offsets, buf)
 
