@@ -7,7 +7,9 @@ something goes wrong do the ranks exchange records to agree on the error
 (``gradcoll.algorithms._guard``). Broadcast, allgather, reduce_scatter and barrier still
 start with the handshake round of ``gradcoll.algorithms._handshake``. Either way every rank
 agrees on what ran, who was there and whether the inputs were finite, and
-raises the same error if not. [`ProcessGroup`][gradcoll.group.ProcessGroup] is the
+raises the same error if not: one verdict table decides it
+(``gradcoll.algorithms._verdict``), and every tag comes from one registry
+(``gradcoll.algorithms.tags``). [`ProcessGroup`][gradcoll.group.ProcessGroup] is the
 usual way in; these functions are the layer below it.
 
 Allreduce algorithms, chosen by [`select_allreduce`][gradcoll.algorithms.select_allreduce] for ``"auto"`` (the

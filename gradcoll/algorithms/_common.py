@@ -1,33 +1,39 @@
-"""Shared pieces of the collective algorithms: chunk arithmetic, tags, error wording.
+"""Shared pieces of the collective algorithms: chunk arithmetic, options, the combine kernel, error wording.
 
 Nothing here moves data by itself. ``Coll`` is the state of one running
-collective (which rank, which operation, which sequence number, which step)
-and turns every transport error into a message that names all of it, in the
-house style ``rank 3: peer 4 closed the link during ring allreduce step 2/6
-(seq 118)``.
+collective (which rank, which operation, which sequence number, which step,
+where its result may hold a marker) and turns every transport error into a
+message that names all of it, in the house style ``rank 3: peer 4 closed the
+link during ring allreduce step 2/6 (seq 118)``.
 """
 
 from __future__ import annotations
 
 import time
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
 from typing import Any
 
 import numpy as np
 
-from ..errors import CollectiveMismatch, CollectiveTimeout, TransportBroken, TransportClosed, UsageError
+from .. import kernels
+from ..errors import CollectiveMismatch, CollectiveTimeout, NonFiniteError, TransportBroken, TransportClosed, UsageError
 from ..kernels.workspace import Workspace
 from ..transport.base import Deadline, Request, Transport
-from ..transport.frame import LENIENT_TAG, FrameMismatch
+from ..transport.frame import FrameMismatch
+from .tags import seq_tag
 
 __all__ = [
     "OPS",
     "REDUCE_DTYPES",
     "chunk_bounds",
     "segment_bounds",
-    "data_tag",
     "as_flat",
     "check_op",
     "scratch",
+    "Options",
+    "combiner",
+    "plant",
     "Coll",
     "Workspace",
 ]
@@ -37,18 +43,6 @@ OPS = ("mean", "sum", "max", "min")
 
 #: Element types the reduction kernels take.
 REDUCE_DTYPES = (np.dtype(np.float16), np.dtype(np.float32), np.dtype(np.float64))
-
-# Data tags of the collectives that run the handshake round: LENIENT_TAG |
-# (seq mod 2**20) << 8 | phase, inside the collectives' tag range (docs/wire.md)
-# and below the handshake tags (0x7F00xxxx, see _handshake.py). Allreduces
-# hash their whole descriptor into the tag instead (see _guard.py).
-_SEQ_MASK = (1 << 20) - 1
-
-
-def data_tag(seq: int, phase: int) -> int:
-    """The transport tag of one phase (1..255) of collective ``seq``."""
-    return LENIENT_TAG | ((seq & _SEQ_MASK) << 8) | phase
-
 
 def chunk_bounds(count: int, n: int) -> list[int]:
     """Offsets of ``n`` near-equal chunks of ``count`` elements (``n + 1`` entries)."""
@@ -96,11 +90,58 @@ def scratch(ws: Workspace | None, name: str, shape: int | tuple[int, ...], dtype
     return np.empty(shape, dtype) if ws is None else ws.get(name, shape, dtype)
 
 
+@dataclass(slots=True)
+class Options:
+    """The options every allreduce takes, as one value for the guarded frame and the schedules."""
+
+    op: str = "mean"
+    check_finite: bool = True
+    seq: int = 0
+    timeout: float | None = None
+    workspace: Workspace | None = None
+    backend: str | None = None
+
+
+def plant(view: np.ndarray, marker: Any = np.nan) -> None:
+    """Mark ``view`` non-finite at its first element: a slot its schedule declared in ``Coll.marks``.
+
+    Every marker goes through here: a bad input (planted before any data
+    moves) and a reduction that overflowed. Reductions carry a NaN on, so
+    the result holds the marker on every rank, where ``_guard.first_marker``
+    finds it.
+    """
+    if view.size:
+        view[0] = marker
+
+
+def combiner(opts: Options, n: int) -> Callable[[np.ndarray, np.ndarray, bool], None]:
+    """``combine(acc, x, last)``: reduce ``x`` into ``acc`` (dividing by ``n`` on the ``last`` one for mean).
+
+    A sum that comes out non-finite (an overflow, or a marker carried in)
+    is marked at ``acc[0]``; max and min carry a NaN marker by themselves.
+    """
+    if opts.op in ("mean", "sum"):
+        divide = n if opts.op == "mean" else None
+        check, backend = opts.check_finite, opts.backend
+
+        def combine(acc: np.ndarray, x: np.ndarray, last: bool) -> None:
+            try:
+                kernels.accumulate(acc, x, divide_by=divide if last else None, check_finite=check, backend=backend)
+            except NonFiniteError:
+                plant(acc)
+        return combine
+    ufunc = np.maximum if opts.op == "max" else np.minimum
+
+    def combine_minmax(acc: np.ndarray, x: np.ndarray, last: bool) -> None:
+        ufunc(acc, x, out=acc)
+    return combine_minmax
+
+
 class Coll:
     """One running collective on one rank: identity, progress, and error wording."""
 
     __slots__ = ("t", "rank", "size", "name", "seq", "nbytes", "timeout", "deadline", "step", "steps",
-                 "tag0", "desc", "status", "pending")
+                 "tag0", "desc", "status", "pending", "marks")
 
     def __init__(self, transport: Transport, name: str, seq: int, nbytes: int, timeout: float | None) -> None:
         self.t = transport
@@ -113,11 +154,14 @@ class Coll:
         self.deadline = Deadline(self.timeout)
         self.step = 0
         self.steps = 0
-        # Set by _guard.begin for collectives that carry their descriptor in the tags:
-        self.tag0 = data_tag(seq, 0)  # phase tags are tag0 + phase
-        self.desc: Any = None  # the descriptor (handshake Record fields) for the error path
+        self.tag0 = seq_tag(seq)  # phase tags are tag0 + phase (gradcoll.algorithms.tags)
+        # Set by the guarded allreduce frame (_guard), for the error path:
+        self.desc: tuple[int, ...] = ()  # this rank's call: the descriptor fields of its handshake Record
         self.status: Any = None  # (NONFINITE, index, value) when the local input is bad
         self.pending: dict[Request, int] | None = None  # receives not yet waited for -> peer
+        # The sentinel record: where a marker may sit in the result. A bad input is planted at element 0;
+        # a schedule that plants elsewhere declares its slots here when it decides them.
+        self.marks: Sequence[int] = (0,)
 
     def begin(self, steps: int) -> None:
         """Start the data phase: ``steps`` steps, with a fresh deadline."""

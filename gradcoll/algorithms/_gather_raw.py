@@ -3,8 +3,8 @@
 The deterministic allreduce and the low-precision wire allreduce reduce
 each element in one place from all ``n`` contributions (so the result does
 not depend on how partial sums were grouped). Their ``star`` schedule
-gathers the inputs on rank 0 and sends the result back (``star_gather``,
-``star_reply``). Their ``recursive_doubling`` schedule is an allgather
+gathers the inputs on rank 0 and sends the result back (``raw_star``).
+Their ``recursive_doubling`` schedule (``raw_recursive_doubling``) is an allgather
 of the inputs in ``log2 p`` rounds (``p`` the largest power of two <= ``n``)
 followed by a local reduction:
 
@@ -14,8 +14,7 @@ followed by a local reduction:
   real ranks, and every round is one message each way: ``2**k`` rows out,
   ``2**k`` rows in (more where folded ranks sit);
 * afterwards ``rows[i]`` holds rank ``i``'s buffer on every rank that took
-  part; the ranks that sat out get the result from their partner
-  (``rd_result``).
+  part; the ranks that sat out get the result from their partner.
 
 Bytes per rank: ``(p - 1)`` buffers, against ``log2 p`` for a
 recursive doubling of partial sums: the latency schedule for small buffers.
@@ -27,19 +26,23 @@ from collections.abc import Callable
 
 import numpy as np
 
-from ..transport.base import Request
+from . import tags
 from ._common import Coll
+from .recursive_doubling import butterfly
 
-__all__ = ["star_gather", "star_reply", "rd_steps", "sits_out", "rd_allgather", "rd_result"]
+__all__ = ["raw_star", "raw_recursive_doubling"]
 
 
-def star_gather(coll: Coll, mine: np.ndarray, make_rows: Callable[[], np.ndarray], up: int,
-                down: int) -> tuple[np.ndarray, list[Request]] | None:
-    """Step 1 of the star (2 steps). Rank 0: receives of every other rank's ``mine``
-    into ``make_rows()[p - 1]``, returned with their requests (wait for them in rank
-    order, then ``star_reply``). Any other rank: sends ``mine``, receives the
-    result into it, returns None.
+def raw_star(coll: Coll, mine: np.ndarray, make_rows: Callable[[], np.ndarray],
+             reduce: Callable[[np.ndarray, Callable[[int], object]], None]) -> None:
+    """The star (2 steps), ``mine`` in place. Any rank but 0 sends ``mine`` and receives the result into it.
+
+    Rank 0 receives every other rank's ``mine`` into ``make_rows()[p - 1]``
+    and calls ``reduce(rows, wait)``, which reduces them into ``mine``
+    (``wait(p)`` waits for rank ``p``'s row: call it in rank order), then
+    sends ``mine`` to everyone.
     """
+    up, down = coll.tag0 + tags.RAW_UP, coll.tag0 + tags.RAW_DOWN
     coll.begin(2)
     coll.step = 1
     if coll.rank != 0:
@@ -47,77 +50,38 @@ def star_gather(coll: Coll, mine: np.ndarray, make_rows: Callable[[], np.ndarray
         coll.send(0, mine, up)
         coll.step = 2
         coll.wait(r, 0)
-        return None
+        return
     rows = make_rows()
-    return rows, [coll.irecv(p, rows[p - 1], up) for p in range(1, coll.size)]
-
-
-def star_reply(coll: Coll, result: np.ndarray, down: int) -> None:
-    """Step 2 of the star on rank 0: ``result`` to every other rank."""
+    reqs = [coll.irecv(p, rows[p - 1], up) for p in range(1, coll.size)]
+    reduce(rows, lambda p: coll.wait(reqs[p - 1], p))
     coll.step = 2
-    for req, p in [(coll.isend(p, result, down), p) for p in range(1, coll.size)]:
+    for req, p in [(coll.isend(p, mine, down), p) for p in range(1, coll.size)]:
         coll.wait(req, p)
 
 
-def _shape(n: int) -> tuple[int, int, int]:
-    p = 1 << (n.bit_length() - 1)
-    return p, n - p, p.bit_length() - 1
+def raw_recursive_doubling(coll: Coll, mine: np.ndarray, make_rows: Callable[[], np.ndarray],
+                           reduce: Callable[[np.ndarray], None]) -> None:
+    """Gather every rank's ``mine`` into ``rows = make_rows()`` (``(n, m)``), ``reduce(rows)`` into ``mine``.
 
-
-def rd_steps(n: int) -> int:
-    """Steps of the schedule on ``n`` ranks (for ``Coll.begin``)."""
-    _, r, rounds = _shape(n)
-    return rounds + (2 if r else 0)
-
-
-def sits_out(n: int, rank: int) -> bool:
-    """True for a rank that folds its buffer into a partner and waits for the result."""
-    _, r, _ = _shape(n)
-    return rank < 2 * r and rank % 2 == 0
-
-
-def rd_allgather(coll: Coll, mine: np.ndarray, rows: np.ndarray | None, fold: int, rnd: int) -> bool:
-    """Gather every rank's ``mine`` into ``rows`` (``(n, m)``, None on a rank that sits out).
-
-    Returns False on a rank that sits out: it has sent ``mine`` to its
-    partner and must call ``rd_result`` for the result.
+    A rank that sits out sends ``mine`` to its partner instead and receives
+    the result from it into ``mine`` at the end.
     """
     n, me = coll.size, coll.rank
-    _, r, rounds = _shape(n)
-    if sits_out(n, me):
-        coll.step = 1
-        coll.send(me + 1, mine, fold)
-        return False
-    assert rows is not None
-    rows[me] = mine
-    if me < 2 * r:
-        coll.step = 1
-        coll.recv(me - 1, rows[me - 1], fold)
-        v = me // 2
-    else:
-        v = me - r
+    r = n - (1 << (n.bit_length() - 1))
+    rows = np.empty((0, mine.size), mine.dtype)
 
     def first(u: int) -> int:  # the first real rank of virtual rank u
         return u + min(u, r)
 
-    for k in range(rounds):
-        coll.step = k + 1 + (1 if r else 0)
-        pv = v ^ (1 << k)
-        a, b = v & ~((1 << k) - 1), pv & ~((1 << k) - 1)
-        peer = 2 * pv + 1 if pv < r else pv + r
+    def fold_in(partner: int, tag: int) -> None:
+        coll.recv(partner, rows[partner], tag)
+
+    def exchange(k: int, v: int, peer: int, tag: int) -> None:
+        a, b = v & ~((1 << k) - 1), (v ^ (1 << k)) & ~((1 << k) - 1)
         out = rows[first(a): first(a + (1 << k))].reshape(-1)  # 1-D: a memoryview of (k, 0) cannot be cast
-        coll.sendrecv(peer, out, rows[first(b): first(b + (1 << k))].reshape(-1), rnd)
-    return True
+        coll.sendrecv(peer, out, rows[first(b): first(b + (1 << k))].reshape(-1), tag)
 
-
-def rd_result(coll: Coll, result: np.ndarray, unfold: int) -> None:
-    """Hand the finished ``result`` to the partner that sat out (or, on that partner, receive it)."""
-    n, me = coll.size, coll.rank
-    _, r, _ = _shape(n)
-    if me >= 2 * r:
-        return
-    coll.step = coll.steps
-    if sits_out(n, me):
-        coll.recv(me + 1, result, unfold)
-    else:
-        coll.send(me - 1, result, unfold)
+    if not (me < 2 * r and me % 2 == 0):  # a rank that sits out needs no rows
+        rows = make_rows()
+        rows[me] = mine
+    butterfly(coll, mine, (tags.RAW_FOLD, tags.RAW_ROUND, tags.RAW_UNFOLD), fold_in, exchange, lambda: reduce(rows))

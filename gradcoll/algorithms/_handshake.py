@@ -4,10 +4,11 @@ Before any data moves, every rank sends rank 0 a fixed-size *record*: the
 collective's descriptor (kind, algorithm, op, dtype, element count, root,
 sequence number) and the status of its local input (finite, or the first
 NaN/Inf: index and value). Rank 0 waits for all records until the deadline
-and sends every rank the whole *table* (one slot per rank plus one result
-slot). Every rank then runs the same pure function, ``verdict``, over the
-same table, so every rank reaches the same decision and raises the same
-error, naming the same ranks:
+and sends every rank the whole *table* (one slot per rank, and a last slot
+that stays OK: the wire keeps it). Every rank then runs the same pure
+function over the same table, the verdict of ``gradcoll.algorithms._verdict``,
+so every rank reaches the same decision and raises the same error, naming
+the same ranks:
 
 * a slot rank 0 never received: [`CollectiveTimeout`][gradcoll.errors.CollectiveTimeout] naming exactly the
   ranks that did not arrive (rank 0 saw who was missing);
@@ -25,7 +26,8 @@ It also makes a correct barrier (nobody leaves before rank 0 heard from all).
 Cost: one record up and one table down per rank, ``64 (n + 1)`` bytes.
 A rank waiting for the table allows a grace period past the timeout, so that
 rank 0's verdict about *other* missing ranks arrives before it gives up on
-rank 0 itself.
+rank 0 itself. The error path of the allreduces (``_guard``) sends the same
+records.
 """
 
 from __future__ import annotations
@@ -37,38 +39,18 @@ import numpy as np
 
 from .. import kernels
 from ..errors import CollectiveMismatch, CollectiveTimeout, NonFiniteError, ProtocolError, TransportBroken, TransportClosed
+from . import tags
 from ._common import Coll
+from ._verdict import HANDSHAKE, LINK_ERRORS, NONFINITE, OK, PROTOCOL, status_of, verdict
 
-__all__ = [
-    "Record",
-    "ROOT",
-    "make_record",
-    "local_status",
-    "handshake",
-    "send_record",
-    "gather_records",
-    "send_table",
-    "recv_table",
-    "receive_all",
-    "verdict",
-    "raise_nonfinite",
-    "OK",
-    "NONFINITE",
-    "TIMEOUT",
-    "CLOSED",
-    "BROKEN",
-    "PROTOCOL",
-]
+__all__ = ["Record", "ROOT", "RECORD_SIZE", "descriptor", "make_record", "with_status", "local_status", "handshake",
+           "pack", "unpack", "absent"]
 
 ROOT = 0
-TAG_UP = 0x7F000001
-TAG_DOWN = 0x7F000002
 
 KINDS = ("?", "allreduce", "broadcast", "allgather", "reduce_scatter", "barrier")
 ALGOS = ("-", "ring", "star", "recursive_doubling", "tree")
 OP_CODES = ("-", "mean", "sum", "max", "min")
-
-OK, NONFINITE, TIMEOUT, CLOSED, BROKEN, PROTOCOL = range(6)
 
 # present, kind, algo, op, dtype char, itemsize, root, count, seq, status, peer, index, value (64 bytes)
 _REC = struct.Struct("<BBBBBxHiqqB7xqqd4x")
@@ -114,13 +96,28 @@ class Record(NamedTuple):
         return f"{KINDS[self.kind]}({', '.join(parts)}) at seq {self.seq}"
 
 
+_KIND = {k: i for i, k in enumerate(KINDS)}
+_ALGO = {a: i for i, a in enumerate(ALGOS)}
+_OP = {o: i for i, o in enumerate(OP_CODES)}
+
+
+def descriptor(kind: str, algo: str, op: str | None, dtype: np.dtype | None, count: int, seq: int,
+               root: int = -1) -> tuple[int, ...]:
+    """The fields of a record every rank must agree on (``Record.desc()``), without building the record."""
+    return (_KIND[kind], _ALGO[algo], _OP[op or "-"], ord(dtype.char) if dtype is not None else 0,
+            dtype.itemsize if dtype is not None else 0, root, count, seq)
+
+
 def make_record(kind: str, algo: str, op: str | None, dtype: np.dtype | None, count: int, seq: int,
                 root: int = -1, status: tuple[int, int, float] | None = None) -> Record:
     """This rank's record; ``status`` is ``(NONFINITE, index, value)`` from ``local_status``."""
+    return with_status(descriptor(kind, algo, op, dtype, count, seq, root), status)
+
+
+def with_status(desc: tuple[int, ...], status: tuple[int, int, float] | None, peer: int = -1) -> Record:
+    """The record of call ``desc`` reporting ``status`` (None: OK) met on the link to ``peer``."""
     code, index, value = status or (OK, -1, 0.0)
-    return Record(KINDS.index(kind), ALGOS.index(algo), OP_CODES.index(op or "-"),
-                  ord(dtype.char) if dtype is not None else 0, dtype.itemsize if dtype is not None else 0,
-                  root, count, seq, code, -1, index, value)
+    return Record(*desc, code, peer, index, value)  # type: ignore[call-arg]  # the 8 descriptor fields
 
 
 def local_status(flat: np.ndarray, check: bool, backend: str | None = None) -> tuple[int, int, float] | None:
@@ -134,7 +131,8 @@ def local_status(flat: np.ndarray, check: bool, backend: str | None = None) -> t
     return None
 
 
-def _pack(recs: list[Record]) -> bytearray:
+def pack(recs: list[Record]) -> bytearray:
+    """Records on the wire, 64 bytes each."""
     out = bytearray(RECORD_SIZE * len(recs))
     for i, r in enumerate(recs):
         _REC.pack_into(out, i * RECORD_SIZE, r.present, r.kind, r.algo, r.op, r.dtype, r.itemsize, r.root,
@@ -142,7 +140,8 @@ def _pack(recs: list[Record]) -> bytearray:
     return out
 
 
-def _unpack(buf: bytes | bytearray, n: int) -> list[Record]:
+def unpack(buf: bytes | bytearray, n: int) -> list[Record]:
+    """``n`` records off the wire; ProtocolError for a field out of range."""
     recs = []
     for i in range(n):
         present, *fields = _REC.unpack_from(buf, i * RECORD_SIZE)
@@ -153,18 +152,14 @@ def _unpack(buf: bytes | bytearray, n: int) -> list[Record]:
     return recs
 
 
-def _absent(status: int) -> Record:
+def absent(status: int) -> Record:
+    """The slot of a rank whose record did not come: ``status`` says what its link did instead."""
     return Record(0, 0, 0, 0, 0, -1, 0, 0, status=status, present=0)
 
 
 def send_record(coll: Coll, rec: Record) -> None:
     """Non-root: send this rank's record to rank 0."""
-    coll.wait(coll.isend(ROOT, _pack([rec]), TAG_UP), ROOT)
-
-
-_FAILURES = ((CollectiveTimeout, TIMEOUT), (TransportClosed, CLOSED), (TransportBroken, BROKEN),
-             (CollectiveMismatch, PROTOCOL), (ProtocolError, PROTOCOL))
-_LINK_ERRORS = tuple(cls for cls, _ in _FAILURES)
+    coll.wait(coll.isend(ROOT, pack([rec]), tags.HANDSHAKE_UP), ROOT)
 
 
 def receive_all(coll: Coll, bufs: dict[int, Any], tag: int) -> dict[int, int]:
@@ -179,37 +174,37 @@ def receive_all(coll: Coll, bufs: dict[int, Any], tag: int) -> dict[int, int]:
     for p, buf in bufs.items():
         try:
             reqs[p] = coll.t.irecv(p, buf, tag)
-        except _LINK_ERRORS as exc:
-            failed[p] = next(code for cls, code in _FAILURES if isinstance(exc, cls))
+        except LINK_ERRORS as exc:
+            failed[p] = status_of(exc)
     for p, req in reqs.items():
         try:
             req.wait(coll.deadline.remaining())
-        except _LINK_ERRORS as exc:
-            failed[p] = next(code for cls, code in _FAILURES if isinstance(exc, cls))
+        except LINK_ERRORS as exc:
+            failed[p] = status_of(exc)
     return failed
 
 
 def gather_records(coll: Coll, own: Record) -> list[Record]:
-    """Rank 0: collect every record until the deadline; returns the table (n slots + result slot)."""
+    """Rank 0: collect every record until the deadline; returns the table (n slots and the last one)."""
     n = coll.size
     bufs = {p: bytearray(RECORD_SIZE) for p in range(1, n)}
-    failed = receive_all(coll, bufs, TAG_UP)
+    failed = receive_all(coll, bufs, tags.HANDSHAKE_UP)
     table = [own]
     for p in range(1, n):
         try:
-            table.append(_absent(failed[p]) if p in failed else _unpack(bufs[p], 1)[0])
+            table.append(absent(failed[p]) if p in failed else unpack(bufs[p], 1)[0])
         except ProtocolError:
-            table.append(_absent(PROTOCOL))
-    return table + [Record(0, 0, 0, 0, 0, -1, 0, 0)]
+            table.append(absent(PROTOCOL))
+    return table + [Record(0, 0, 0, 0, 0, -1, 0, 0)]  # the last slot, always OK
 
 
 def send_table(coll: Coll, table: list[Record]) -> None:
     """Rank 0: send the table to every peer (best effort: a dead peer is already in the table)."""
-    data = _pack(table)
+    data = pack(table)
     reqs = []
     for p in range(1, coll.size):
         try:
-            reqs.append(coll.t.isend(p, data, TAG_DOWN))
+            reqs.append(coll.t.isend(p, data, tags.HANDSHAKE_DOWN))
         except (TransportClosed, TransportBroken):
             pass
     limit = coll.deadline.remaining()
@@ -220,86 +215,33 @@ def send_table(coll: Coll, table: list[Record]) -> None:
             pass
 
 
-def recv_table(coll: Coll, phases: int = 1) -> list[Record]:
-    """Non-root: wait for rank 0's table (timeout plus a grace period).
-
-    ``phases`` counts rank 0's timed phases before it sends the table (2 for
-    the star, whose root receives the data first).
-    """
+def recv_table(coll: Coll) -> list[Record]:
+    """Non-root: wait for rank 0's table (timeout plus a grace period)."""
     n = coll.size
     buf = bytearray(RECORD_SIZE * (n + 1))
-    extra = min(5.0, 0.5 * coll.timeout) + (phases - 1) * coll.timeout
+    extra = min(5.0, 0.5 * coll.timeout)
     remaining = coll.deadline.remaining()
     try:
-        coll.t.irecv(ROOT, buf, TAG_DOWN).wait(None if remaining is None else remaining + extra)
+        coll.t.irecv(ROOT, buf, tags.HANDSHAKE_DOWN).wait(None if remaining is None else remaining + extra)
     except CollectiveTimeout as exc:
         raise coll.timeout_error([ROOT], "rank 0 did not arrive (it coordinates every collective)") from exc
     except (TransportClosed, TransportBroken, CollectiveMismatch) as exc:
         raise coll.translate(exc, ROOT) from exc
-    return _unpack(buf, n + 1)
-
-
-def verdict(coll: Coll, table: list[Record], overflow: bool = False) -> None:
-    """Raise the error the table implies (the same on every rank), or return if all is well.
-
-    With ``overflow`` a NONFINITE slot reports a reduced chunk that overflowed,
-    not a bad input.
-    """
-    n, me = coll.size, coll.rank
-    slots, result = table[:n], table[n]
-    for status, cls, what in ((CLOSED, TransportClosed, "closed the link"), (BROKEN, TransportBroken, "lost the link")):
-        bad = [p for p, s in enumerate(slots) if s.status == status]
-        if bad:
-            raise cls(f"rank {me}: peer {bad[0]} {what} before or during {coll.where()} (seen by rank 0)",
-                      rank=me, peer=bad[0])
-    bad = [p for p, s in enumerate(slots) if s.status == PROTOCOL]
-    if bad:
-        raise ProtocolError(f"rank {me}: peer {bad[0]} sent rank 0 a malformed handshake in {coll.where()}")
-    missing = [p for p, s in enumerate(slots) if s.status == TIMEOUT]
-    if missing:
-        who = ", ".join(map(str, missing))
-        if me in missing:
-            detail = f"this rank arrived too late; rank 0 stopped waiting for rank(s) {who}"
-        else:
-            detail = f"rank(s) {who} did not arrive (rank 0 waited for them)"
-        raise coll.timeout_error(missing, detail)
-    ref = slots[0]
-    for p, s in enumerate(slots):
-        if s.desc() != ref.desc():
-            raise CollectiveMismatch(
-                f"rank {me}: collective mismatch: rank 0 called {ref.describe()} but rank {p} called {s.describe()}"
-            )
-    for p, s in enumerate(slots):
-        if s.status == NONFINITE:
-            raise_nonfinite(coll, p, s.index, s.value, overflow)
-    if result.status == NONFINITE:
-        raise_nonfinite(coll, result.peer if result.peer >= 0 else None, result.index, result.value)
-
-
-def raise_nonfinite(coll: Coll, culprit: int | None, index: int, value: float, overflow: bool = False) -> None:
-    if culprit is None:
-        what = "the reduced sum overflowed although every input was finite"
-        what += f" (first at element {index})" if index >= 0 else ""
-    elif overflow:
-        what = f"the reduced sum overflowed to {value!r} at element {index} of rank {culprit}'s chunk"
-        what += " although every input was finite"
-    else:
-        what = f"rank {culprit} contributed {value!r} at element {index}"
-    """Raise the NonFiniteError every rank raises for this culprit (None: an overflow)."""
-    raise NonFiniteError(
-        f"rank {coll.rank}: non-finite gradient in {coll.where()}: {what}; every rank halts",
-        contributor=None if overflow else culprit, index=index, value=value, rank=coll.rank, seq=coll.seq,
-    )
+    return unpack(buf, n + 1)
 
 
 def handshake(coll: Coll, rec: Record, overflow: bool = False) -> None:
-    """Run the whole handshake for ``rec`` and raise the verdict's error, if any."""
+    """Run the whole handshake for ``rec`` and raise the verdict's error, if any (``_verdict.VERDICT``).
+
+    With ``overflow`` a NONFINITE record reports a reduced chunk that
+    overflowed, not a bad input.
+    """
     if coll.size == 1:
-        verdict(coll, [rec, Record(0, 0, 0, 0, 0, -1, 0, 0)], overflow)
+        table = [rec]
     elif coll.rank == ROOT:
         table = gather_records(coll, rec)
         send_table(coll, table)
-        verdict(coll, table, overflow)
     else:
         send_record(coll, rec)
-        verdict(coll, recv_table(coll), overflow)
+        table = recv_table(coll)
+    verdict(coll, table[: coll.size], HANDSHAKE, overflow=overflow)

@@ -14,12 +14,11 @@ import numpy as np
 
 from ..errors import UsageError
 from ..transport.base import Request, Transport
-from ._common import Coll, as_flat, data_tag
+from . import tags
+from ._common import Coll, as_flat
 from ._handshake import handshake, make_record
 
 __all__ = ["allgather"]
-
-_PHASE = 8
 
 
 def allgather(
@@ -45,7 +44,7 @@ def allgather(
     if n == 1:
         return out
     right, left = (me + 1) % n, (me - 1) % n
-    tag = data_tag(seq, _PHASE)
+    tag = coll.tag0 + tags.ALLGATHER
     sends: list[Request] = []
     coll.begin(n - 1)
     for s in range(n - 1):

@@ -15,12 +15,11 @@ import numpy as np
 
 from ..errors import UsageError
 from ..transport.base import Request, Transport
-from ._common import Coll, as_flat, data_tag
+from . import tags
+from ._common import Coll, as_flat
 from ._handshake import handshake, make_record
 
 __all__ = ["broadcast"]
-
-_PHASE = 7
 
 
 def broadcast(
@@ -36,7 +35,7 @@ def broadcast(
     handshake(coll, make_record("broadcast", "tree", None, flat.dtype, flat.size, seq, root=root))
     if n == 1:
         return buf
-    tag = data_tag(seq, _PHASE)
+    tag = coll.tag0 + tags.BROADCAST
     v = (me - root) % n
     coll.begin(max(1, (n - 1).bit_length()))
     if v:

@@ -32,29 +32,29 @@ Schedules (``algorithm``), each with the bytes of its ordinary counterpart:
   phase: the ring's bytes, in two steps of latency instead of ``2(n-1)``.
 * ``star``: rank 0 receives every raw buffer, reduces, sends the result.
 * ``recursive_doubling``: a recursive-doubling allgather of the raw buffers
-  (``gradcoll.algorithms._gather``: ``log2 p`` rounds, doubling blocks; a
+  (``gradcoll.algorithms._gather_raw``: ``log2 p`` rounds, doubling blocks; a
   non-power-of-two rank folds its buffer into a partner first and gets the
   result back last), then every rank reduces all ``n`` rows itself. ``n``
   times the buffer in scratch: a schedule for small buffers.
 
 Non-finite inputs are found by the ordinary local check and travel as a
 planted NaN (``gradcoll.algorithms._guard``); an ``op="sum"`` that overflows the output dtype
-is planted at the start of the owner's chunk. See docs/algorithms/deterministic.md.
+is planted at the start of the reduced piece (in the ring, each segment of the owner's chunk).
+See docs/algorithms/deterministic.md.
 """
 
 from __future__ import annotations
 
-import math
+from collections.abc import Callable
 
 import numpy as np
 
 from ..errors import UsageError
 from ..kernels import exact_reduce, exact_reference
 from ..transport.base import Transport
-from ..transport.frame import LENIENT_TAG
-from . import ALLREDUCE
-from ._common import Coll, Workspace, chunk_bounds, scratch, segment_bounds
-from ._gather_raw import rd_allgather, rd_result, rd_steps, sits_out, star_gather, star_reply
+from . import ALLREDUCE, tags
+from ._common import Coll, Options, Workspace, chunk_bounds, plant, scratch, segment_bounds
+from ._gather_raw import raw_recursive_doubling, raw_star
 from ._guard import guarded_allreduce
 from .ring import SEGMENT_BYTES
 
@@ -62,7 +62,6 @@ __all__ = ["deterministic_allreduce", "exact_reduce", "fraction_bits"]
 
 fraction_bits = exact_reference.fraction_bits
 
-_RS, _AG, _UP, _DOWN, _FOLD, _ROUND, _UNFOLD = 1, 2, 3, 4, 5, 6, 7
 
 
 def deterministic_allreduce(transport: Transport, buf: np.ndarray, *, algorithm: str = "ring", op: str = "mean",
@@ -83,45 +82,40 @@ def deterministic_allreduce(transport: Transport, buf: np.ndarray, *, algorithm:
     if algorithm not in ALLREDUCE:
         raise UsageError(f"unknown allreduce algorithm {algorithm!r}; known: {', '.join(ALLREDUCE)}")
     divisor = float(transport.size) if op == "mean" else 1.0
-    schedule = {"ring": _ring, "star": _star, "recursive_doubling": _rd}[algorithm]
-    starts: list[int] = [0]
+    schedule = _SCHEDULES[algorithm]
 
-    def body(coll: Coll, flat: np.ndarray) -> None:
-        if coll.pending is not None:  # lenient tags: keep deterministic and plain calls apart
-            coll.tag0 = LENIENT_TAG | (hash((coll.tag0, 0x44)) & 0x3FFFFF00)
-        if algorithm == "ring":
-            starts[:] = chunk_bounds(flat.size, coll.size)[:-1]
-        schedule(coll, flat, divisor, check_finite, workspace, backend, segment_bytes)
+    def body(coll: Coll, flat: np.ndarray, opts: Options) -> None:
+        schedule(coll, flat, _reducer(divisor, opts), opts.workspace, segment_bytes)
 
-    def planted(coll: Coll, flat: np.ndarray) -> tuple[int, float] | None:
-        for a in starts:
-            if a < flat.size and not math.isfinite(flat[a]):
-                return a, float(flat[a])
-        return None
-
-    return guarded_allreduce(transport, buf, name=f"deterministic {algorithm} allreduce", algo=algorithm, op=op,
-                             check_finite=check_finite, seq=seq, timeout=timeout, backend=backend, body=body,
-                             find_bad=planted)
+    return guarded_allreduce(transport, buf, Options(op, check_finite, seq, timeout, workspace, backend),
+                             name=f"deterministic {algorithm} allreduce", algo=algorithm, variant=tags.DETERMINISTIC,
+                             body=body)
 
 
-def _reduce(own: np.ndarray, rows: np.ndarray, out: np.ndarray, divisor: float, check: bool,
-            backend: str | None) -> None:
-    """Reduce; with ``check``, plant a NaN at ``out[0]`` when some output overflowed (the error path names it)."""
-    if exact_reduce(own, rows, out, divisor, backend) >= 0 and check and out.size:
-        out[0] = np.nan
+Reduce = Callable[[np.ndarray, np.ndarray, np.ndarray], None]
 
 
-def _ring(coll: Coll, flat: np.ndarray, divisor: float, check: bool, ws: Workspace | None,
-          backend: str | None, segment_bytes: int) -> None:
+def _reducer(divisor: float, opts: Options) -> Reduce:
+    """``reduce(own, rows, out)``; with check_finite, an output that overflowed marks ``out`` (the error path names it)."""
+    check, backend = opts.check_finite, opts.backend
+
+    def reduce(own: np.ndarray, rows: np.ndarray, out: np.ndarray) -> None:
+        if exact_reduce(own, rows, out, divisor, backend) >= 0 and check:
+            plant(out)
+    return reduce
+
+
+def _ring(coll: Coll, flat: np.ndarray, reduce: Reduce, ws: Workspace | None, segment_bytes: int) -> None:
     n, q = coll.size, coll.rank
     bounds = chunk_bounds(flat.size, n)
     lo, hi = bounds[q], bounds[q + 1]
     seg = max(1, segment_bytes // flat.itemsize)
+    coll.marks = [a for c in range(n) for a, b in segment_bounds(bounds[c], bounds[c + 1], seg) if b > a]
     # Segment g of this rank's chunk, from all n-1 peers, lands contiguously as (n-1, length) at (n-1) * its offset,
     # so it is reduced the moment its n-1 pieces are in while later segments are still on the wire.
     rows = scratch(ws, "det_rows", (n - 1) * (hi - lo), flat.dtype)
     mine = segment_bounds(lo, hi, seg)
-    rs, ag = coll.tag0 + _RS, coll.tag0 + _AG
+    rs, ag = coll.tag0 + tags.RAW_RS, coll.tag0 + tags.RAW_AG
     coll.begin(n)
     coll.step = 1
     blocks = [rows[(n - 1) * (a - lo): (n - 1) * (b - lo)].reshape(n - 1, b - a) for a, b in mine]
@@ -135,7 +129,7 @@ def _ring(coll: Coll, flat: np.ndarray, divisor: float, check: bool, ws: Workspa
         for s in range(1, n):
             coll.step = s
             coll.wait(reqs[s - 1], (q - s) % n)
-        _reduce(flat[a:b], blk, flat[a:b], divisor, check, backend)
+        reduce(flat[a:b], blk, flat[a:b])  # marks the segment's start when it overflowed
         shared += [(coll.isend((q + s) % n, flat[a:b], ag), (q + s) % n) for s in range(1, n)]  # straight to everyone
     for req, c in sends:  # before anything lands in the regions those sends read
         coll.wait(req, c)
@@ -147,27 +141,22 @@ def _ring(coll: Coll, flat: np.ndarray, divisor: float, check: bool, ws: Workspa
         coll.wait(req, c)
 
 
-def _star(coll: Coll, flat: np.ndarray, divisor: float, check: bool, ws: Workspace | None,
-          backend: str | None, segment_bytes: int) -> None:
+def _star(coll: Coll, flat: np.ndarray, reduce: Reduce, ws: Workspace | None, segment_bytes: int) -> None:
     n = coll.size
-    got = star_gather(coll, flat, lambda: scratch(ws, "det_rows", (n - 1, flat.size), flat.dtype), coll.tag0 + _UP,
-                      coll.tag0 + _DOWN)
-    if got is None:
-        return
-    rows, reqs = got
-    for p in range(1, n):
-        coll.wait(reqs[p - 1], p)
-    _reduce(flat, rows, flat, divisor, check, backend)
-    star_reply(coll, flat, coll.tag0 + _DOWN)
+
+    def reduce_rows(rows: np.ndarray, wait: Callable[[int], object]) -> None:
+        for p in range(1, n):
+            wait(p)
+        reduce(flat, rows, flat)
+
+    raw_star(coll, flat, lambda: scratch(ws, "det_rows", (n - 1, flat.size), flat.dtype), reduce_rows)
 
 
-def _rd(coll: Coll, flat: np.ndarray, divisor: float, check: bool, ws: Workspace | None,
-        backend: str | None, segment_bytes: int) -> None:
-    """Recursive-doubling allgather of the raw buffers (``gradcoll.algorithms._gather``), then a local exact reduce."""
-    n = coll.size
-    coll.begin(rd_steps(n))
-    rows = None if sits_out(n, coll.rank) else scratch(ws, "det_all", (n, flat.size), flat.dtype)
-    if rd_allgather(coll, flat, rows, coll.tag0 + _FOLD, coll.tag0 + _ROUND):
-        assert rows is not None
-        _reduce(rows[0], rows[1:], flat, divisor, check, backend)
-    rd_result(coll, flat, coll.tag0 + _UNFOLD)
+def _rd(coll: Coll, flat: np.ndarray, reduce: Reduce, ws: Workspace | None, segment_bytes: int) -> None:
+    """Recursive-doubling allgather of the raw buffers (``gradcoll.algorithms._gather_raw``), then a local exact reduce."""
+    raw_recursive_doubling(coll, flat, lambda: scratch(ws, "det_all", (coll.size, flat.size), flat.dtype),
+                           lambda rows: reduce(rows[0], rows[1:], flat))
+
+
+_SCHEDULES = {"ring": _ring, "star": _star, "recursive_doubling": _rd}
+

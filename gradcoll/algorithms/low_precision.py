@@ -17,7 +17,7 @@ is bitwise identical everywhere. Schedules (``algorithm``):
 * ``star``: rank 0 adds the encoded rows in rank order and sends the
   encoded result back.
 * ``recursive_doubling``: a recursive-doubling allgather of the encoded
-  buffers (``gradcoll.algorithms._gather``, ``log2 p`` rounds), then every rank adds all
+  buffers (``gradcoll.algorithms._gather_raw``, ``log2 p`` rounds), then every rank adds all
   ``n`` rows in rank order: every contribution rounded once, as in the ring
   and the star, so the error bound is theirs, and the same bits everywhere.
 
@@ -28,20 +28,21 @@ encoded, reduced in float32 and written back in their own format.
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 import numpy as np
 
 from .. import kernels
 from ..errors import NonFiniteError, UsageError
 from ..transport.base import Transport
-from ..transport.frame import LENIENT_TAG
-from ._common import Coll, Workspace, chunk_bounds, scratch
-from ._gather_raw import rd_allgather, rd_result, rd_steps, sits_out, star_gather, star_reply
-from ._guard import ERRORS, begin, fail
-from ._handshake import NONFINITE
+from . import tags
+from ._common import Coll, Options, Workspace, chunk_bounds, plant, scratch
+from ._gather_raw import raw_recursive_doubling, raw_star
+from ._guard import first_marker, guarded_allreduce
+from ._verdict import NONFINITE
 
 __all__ = ["wire_allreduce", "wire_of"]
 
-_RS, _AG, _UP, _DOWN, _FOLD, _ROUND, _UNFOLD = 1, 2, 3, 4, 5, 6, 7
 _NAN = {"bf16": 0x7FC0, "fp16": 0x7E00}
 _CODE = {"bf16": 1, "fp16": 2}
 
@@ -76,85 +77,88 @@ def wire_allreduce(transport: Transport, buf: np.ndarray, *, wire: str | None = 
         raise UsageError("wire_allreduce needs wire= for a float32 buffer")
     if op not in ("mean", "sum"):
         raise UsageError(f"a low-precision wire allreduce takes op 'mean' or 'sum', got {op!r}")
-    if algorithm not in ("ring", "star", "recursive_doubling"):
+    if algorithm not in _SCHEDULES:
         raise UsageError(f"unknown allreduce algorithm {algorithm!r} for the wire path")
-    encoded = buf.dtype != np.float32  # the buffer already holds wire bits
-    flat = buf.reshape(-1)
-    coll = Coll(transport, f"{algorithm} allreduce ({fmt} wire)", seq, flat.nbytes, timeout)
-    begin(coll, "allreduce", algorithm, op, flat.view(np.uint16) if encoded else flat, False, backend)
-    if coll.pending is not None:  # lenient tags: keep wire and plain calls (and check flags) apart
-        coll.tag0 = LENIENT_TAG | (hash((coll.tag0, 0x57, _CODE[fmt], check_finite)) & 0x3FFFFF00)
-    if coll.size == 1 or flat.size == 0:
-        if coll.size > 1:
-            _run(coll, algorithm, np.empty(0, np.float32), np.empty(0, np.uint16), fmt, op, check_finite,
-                 workspace, backend)
-        return buf
-    enc = flat.view(np.uint16) if encoded else scratch(workspace, "wire_enc", flat.size, np.uint16)
-    if encoded:
-        own = scratch(workspace, "wire_acc", flat.size, np.float32)
-        kernels.decode_wire(enc, own, fmt, backend=backend)
-        ok = kernels.reference_wire().wire_finite(enc, fmt) if check_finite else True
-    else:
-        own = flat
+    if transport.size == 1:
+        return buf  # nothing travels, so nothing is rounded (nor checked)
+    opts = Options(op, check_finite, seq, timeout, workspace, backend)
+    job = _Wire(buf.reshape(-1), fmt, algorithm, opts)
+    return guarded_allreduce(transport, buf, opts, name=f"{algorithm} allreduce ({fmt} wire)", algo=algorithm,
+                             flat=job.described, variant=tags.wire_variant(_CODE[fmt]), prepare=job.encode,
+                             body=job.run, find_bad=job.marker)
+
+
+class _Wire:
+    """One wire allreduce: the wire bits ``enc``, the float32 accumulator ``own``, and the frame's seams."""
+
+    def __init__(self, flat: np.ndarray, fmt: str, algorithm: str, opts: Options) -> None:
+        self.flat, self.fmt, self.algorithm, self.opts = flat, fmt, algorithm, opts
+        self.encoded = flat.dtype != np.float32  # the buffer already holds wire bits
+        self.described = flat.view(np.uint16) if self.encoded else flat  # what the descriptor names
+        self.enc, self.own = np.empty(0, np.uint16), np.empty(0, np.float32)
+
+    def encode(self, coll: Coll, _: np.ndarray) -> None:
+        """The pre-encode, fused with the input check (Jidoka: name this rank, never send an overflowed value)."""
+        flat, fmt, ws, backend, check = self.flat, self.fmt, self.opts.workspace, self.opts.backend, self.opts.check_finite
+        if not flat.size:
+            return
+        if self.encoded:
+            enc, own = flat.view(np.uint16), scratch(ws, "wire_acc", flat.size, np.float32)
+            kernels.decode_wire(enc, own, fmt, backend=backend)
+            ok = kernels.reference_wire().wire_finite(enc, fmt) if check else True
+        else:
+            enc, own = scratch(ws, "wire_enc", flat.size, np.uint16), flat
+            try:
+                kernels.encode_wire(flat, enc, fmt, check_finite=check, backend=backend)
+                ok = True
+            except NonFiniteError:
+                ok = False
+        if not ok:
+            mask = kernels.reference_wire().WIRES[fmt]
+            i = int(np.flatnonzero((enc & mask) == mask)[0])
+            coll.status = (NONFINITE, i, float(own[i]))
+            plant(enc, _NAN[fmt])
+            plant(own)
+        self.enc, self.own = enc, own
+
+    def run(self, coll: Coll, _: np.ndarray, opts: Options) -> None:
+        """The data phase, then the result back in the buffer's own format."""
+        _SCHEDULES[self.algorithm](coll, self, coll.size if opts.op == "mean" else None)
+        if not self.encoded and self.flat.size:
+            kernels.decode_wire(self.enc, self.flat, self.fmt, backend=opts.backend)  # own chunks were rounded too
+
+    def marker(self, coll: Coll, _: np.ndarray) -> tuple[int, float] | None:
+        """The result's marker, read in the wire bits (whose value the float32 side holds)."""
+        mask = kernels.reference_wire().WIRES[self.fmt]
+        return first_marker(coll, self.enc, self.own if self.encoded else self.flat, lambda bits: (bits & mask) == mask)
+
+    def finish(self, acc: np.ndarray, enc: np.ndarray, x: np.ndarray | None, divide: int | None) -> None:
+        """``acc += decode(x)`` (divided), then the rounded result into ``enc``; a wire NaN marks an overflow."""
+        check, backend = self.opts.check_finite, self.opts.backend
         try:
-            kernels.encode_wire(flat, enc, fmt, check_finite=check_finite, backend=backend)
-            ok = True
+            if x is not None:
+                kernels.accumulate_wire(acc, x, self.fmt, divide_by=divide, check_finite=check, backend=backend)
+            elif divide is not None:
+                acc /= np.float32(divide)
+            kernels.encode_wire(acc, enc, self.fmt, check_finite=check, backend=backend)
         except NonFiniteError:
-            ok = False
-    if not ok:  # Jidoka: name this rank, plant a wire NaN, never send the overflowed value
-        mask = kernels.reference_wire().WIRES[fmt]
-        i = int(np.flatnonzero((enc & mask) == mask)[0])
-        coll.status = (NONFINITE, i, float(own[i]))
-        enc[0], own[0] = _NAN[fmt], np.nan
-    try:
-        _run(coll, algorithm, own, enc, fmt, op, check_finite, workspace, backend)
-    except ERRORS as exc:
-        fail(coll, exc)
-    if not encoded:
-        kernels.decode_wire(enc, flat, fmt, backend=backend)  # own chunks were rounded too: same bits everywhere
-    if check_finite:
-        starts = chunk_bounds(flat.size, coll.size)[:-1] if algorithm == "ring" else [0]
-        for a in starts:
-            if a < flat.size and (int(enc[a]) & kernels.reference_wire().WIRES[fmt]) == kernels.reference_wire().WIRES[fmt]:
-                fail(coll, None, (a, float(own[a]) if encoded else float(flat[a])))
-    return buf
+            plant(enc, _NAN[self.fmt])
+
+    def add(self, acc: np.ndarray, x: np.ndarray) -> None:
+        """``acc += decode(x)``; an overflow marks ``acc`` (the owner's encode then plants the wire NaN)."""
+        try:
+            kernels.accumulate_wire(acc, x, self.fmt, check_finite=self.opts.check_finite, backend=self.opts.backend)
+        except NonFiniteError:
+            plant(acc)
 
 
-def _run(coll: Coll, algorithm: str, own: np.ndarray, enc: np.ndarray, fmt: str, op: str, check: bool,
-         ws: Workspace | None, backend: str | None) -> None:
-    divide = coll.size if op == "mean" else None
-    {"ring": _ring, "star": _star, "recursive_doubling": _rd}[algorithm](coll, own, enc, fmt, divide, check, ws, backend)
-
-
-def _finish(acc: np.ndarray, enc: np.ndarray, x: np.ndarray | None, fmt: str, divide: int | None, check: bool,
-            backend: str | None) -> None:
-    """``acc += decode(x)`` (divided), then the rounded result into ``enc``; NaN planted on overflow."""
-    try:
-        if x is not None:
-            kernels.accumulate_wire(acc, x, fmt, divide_by=divide, check_finite=check, backend=backend)
-        elif divide is not None:
-            acc /= np.float32(divide)
-        kernels.encode_wire(acc, enc, fmt, check_finite=check, backend=backend)
-    except NonFiniteError:
-        if enc.size:
-            enc[0] = _NAN[fmt]
-
-
-def _accumulate(acc: np.ndarray, x: np.ndarray, fmt: str, divide: int | None, check: bool,
-                backend: str | None) -> None:
-    try:
-        kernels.accumulate_wire(acc, x, fmt, divide_by=divide, check_finite=check, backend=backend)
-    except NonFiniteError:
-        acc[0] = np.nan  # carried on: the owner's encode plants the wire NaN
-
-
-def _ring(coll: Coll, own: np.ndarray, enc: np.ndarray, fmt: str, divide: int | None, check: bool,
-          ws: Workspace | None, backend: str | None) -> None:
+def _ring(coll: Coll, w: _Wire, divide: int | None) -> None:
     n, q = coll.size, coll.rank
+    own, enc = w.own, w.enc
     bounds = chunk_bounds(own.size, n)
-    width = bounds[1] - bounds[0]
-    rows = scratch(ws, "wire_rows", (n - 1, width), np.uint16)
-    rs, ag = coll.tag0 + _RS, coll.tag0 + _AG
+    coll.marks = [bounds[c] for c in range(n) if bounds[c + 1] > bounds[c]]  # each owner marks its chunk's start
+    rows = scratch(w.opts.workspace, "wire_rows", (n - 1, bounds[1] - bounds[0]), np.uint16)
+    rs, ag = coll.tag0 + tags.RAW_RS, coll.tag0 + tags.RAW_AG
     lo, hi = bounds[q], bounds[q + 1]
     coll.begin(2 * (n - 1))
     coll.step = 1
@@ -166,9 +170,9 @@ def _ring(coll: Coll, own: np.ndarray, enc: np.ndarray, fmt: str, divide: int | 
         coll.wait(recvs[s - 1], (q - s) % n)
         if hi > lo:
             if s < n - 1:
-                _accumulate(acc, rows[s - 1, : hi - lo], fmt, None, check, backend)
+                w.add(acc, rows[s - 1, : hi - lo])
             else:
-                _finish(acc, enc[lo:hi], rows[s - 1, : hi - lo], fmt, divide, check, backend)
+                w.finish(acc, enc[lo:hi], rows[s - 1, : hi - lo], divide)
     for s, r in enumerate(sends, 1):
         coll.wait(r, (q + s) % n)
     right, left = (q + 1) % n, (q - 1) % n
@@ -181,34 +185,33 @@ def _ring(coll: Coll, own: np.ndarray, enc: np.ndarray, fmt: str, divide: int | 
         coll.wait(s_, right)
 
 
-def _star(coll: Coll, own: np.ndarray, enc: np.ndarray, fmt: str, divide: int | None, check: bool,
-          ws: Workspace | None, backend: str | None) -> None:
-    n = coll.size
-    got = star_gather(coll, enc, lambda: scratch(ws, "wire_rows", (n - 1, own.size), np.uint16), coll.tag0 + _UP,
-                      coll.tag0 + _DOWN)
-    if got is None:
-        return
-    rows, reqs = got
-    for p in range(1, n):  # rank order: the same sum on every run
-        coll.wait(reqs[p - 1], p)
-        if own.size:
-            if p < n - 1:
-                _accumulate(own, rows[p - 1], fmt, None, check, backend)
-            else:
-                _finish(own, enc, rows[p - 1], fmt, divide, check, backend)
-    star_reply(coll, enc, coll.tag0 + _DOWN)
+def _star(coll: Coll, w: _Wire, divide: int | None) -> None:
+    n, own, enc = coll.size, w.own, w.enc
+
+    def reduce(rows: np.ndarray, wait: Callable[[int], object]) -> None:
+        for p in range(1, n):  # rank order: the same sum on every run
+            wait(p)
+            if own.size:
+                if p < n - 1:
+                    w.add(own, rows[p - 1])
+                else:
+                    w.finish(own, enc, rows[p - 1], divide)
+
+    raw_star(coll, enc, lambda: scratch(w.opts.workspace, "wire_rows", (n - 1, own.size), np.uint16), reduce)
 
 
-def _rd(coll: Coll, own: np.ndarray, enc: np.ndarray, fmt: str, divide: int | None, check: bool,
-        ws: Workspace | None, backend: str | None) -> None:
+def _rd(coll: Coll, w: _Wire, divide: int | None) -> None:
     """Recursive-doubling allgather of the encoded buffers, then every rank adds all rows in rank order."""
-    n = coll.size
-    coll.begin(rd_steps(n))
-    rows = None if sits_out(n, coll.rank) else scratch(ws, "wire_all", (n, enc.size), np.uint16)
-    if rd_allgather(coll, enc, rows, coll.tag0 + _FOLD, coll.tag0 + _ROUND) and own.size:
-        assert rows is not None
-        kernels.decode_wire(rows[0], own, fmt, backend=backend)  # its own input too: every rank adds the same rows
-        for k in range(1, n - 1):
-            _accumulate(own, rows[k], fmt, None, check, backend)
-        _finish(own, enc, rows[n - 1], fmt, divide, check, backend)
-    rd_result(coll, enc, coll.tag0 + _UNFOLD)
+    n, own, enc = coll.size, w.own, w.enc
+
+    def reduce(rows: np.ndarray) -> None:
+        if own.size:
+            kernels.decode_wire(rows[0], own, w.fmt, backend=w.opts.backend)  # its own input too: the same rows
+            for k in range(1, n - 1):
+                w.add(own, rows[k])
+            w.finish(own, enc, rows[n - 1], divide)
+
+    raw_recursive_doubling(coll, enc, lambda: scratch(w.opts.workspace, "wire_all", (n, enc.size), np.uint16), reduce)
+
+
+_SCHEDULES = {"ring": _ring, "star": _star, "recursive_doubling": _rd}

@@ -30,87 +30,77 @@ the mismatch and timeout checks). See docs/algorithms/recursive_doubling.md.
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 import numpy as np
 
-from .. import kernels
-from ..errors import NonFiniteError
 from ..transport.base import Transport
-from ._common import Coll, Workspace, scratch
+from . import tags
+from ._common import Coll, Options, Workspace, combiner, scratch
 from ._guard import guarded_allreduce
 
-__all__ = ["recursive_doubling_allreduce"]
-
-_FOLD, _ROUND, _UNFOLD = 4, 5, 6
+__all__ = ["recursive_doubling_allreduce", "butterfly"]
 
 
-def recursive_doubling_allreduce(
-    transport: Transport,
-    buf: np.ndarray,
-    *,
-    op: str = "mean",
-    check_finite: bool = True,
-    seq: int = 0,
-    timeout: float | None = None,
-    workspace: Workspace | None = None,
-    backend: str | None = None,
-) -> np.ndarray:
+def recursive_doubling_allreduce(transport: Transport, buf: np.ndarray, *, op: str = "mean", check_finite: bool = True,
+                                 seq: int = 0, timeout: float | None = None, workspace: Workspace | None = None,
+                                 backend: str | None = None) -> np.ndarray:
     """Allreduce ``buf`` in place by recursive doubling; returns ``buf``."""
-    return guarded_allreduce(
-        transport, buf, name="recursive-doubling allreduce", algo="recursive_doubling", op=op,
-        check_finite=check_finite, seq=seq, timeout=timeout, backend=backend,
-        body=lambda coll, flat: _exchange(coll, flat, op, check_finite, workspace, backend),
-    )
+    return guarded_allreduce(transport, buf, Options(op, check_finite, seq, timeout, workspace, backend),
+                             name="recursive-doubling allreduce", algo="recursive_doubling", body=_exchange)
 
 
-def _exchange(coll: Coll, flat: np.ndarray, op: str, check: bool, workspace: Workspace | None,
-              backend: str | None) -> None:
+def butterfly(coll: Coll, mine: np.ndarray, phases: tuple[int, int, int], fold_in: Callable[[int, int], None],
+              exchange: Callable[[int, int, int, int], None], done: Callable[[], None] = lambda: None) -> None:
+    """The recursive-doubling schedule, shared with the raw-contribution allreduces; ``mine`` ends with the result.
+
+    A rank that sits out sends ``mine`` to its odd partner (``phases[0]``)
+    and receives the result from it (``phases[2]``) at the end. The others
+    call ``fold_in(partner, tag)`` when a partner folds in, ``exchange(k,
+    v, peer, tag)`` for round ``k`` (``v`` this rank's virtual rank), then
+    ``done()``, and send the result back to the partner that sat out.
+    """
     n, me = coll.size, coll.rank
     p = 1 << (n.bit_length() - 1)
     r = n - p
     rounds = p.bit_length() - 1
-    tmp = scratch(workspace, "rd", flat.size, flat.dtype)
-    combine = _combiner(op, n, check, backend)
-    fold, rnd, unfold = coll.tag0 + _FOLD, coll.tag0 + _ROUND, coll.tag0 + _UNFOLD
+    fold, rnd, unfold = (coll.tag0 + phase for phase in phases)
     coll.begin(rounds + (2 if r else 0))
     if me < 2 * r and me % 2 == 0:  # sits out: fold in, then wait for the result
         coll.step = 1
-        coll.send(me + 1, flat, fold)
+        coll.send(me + 1, mine, fold)
         coll.step = coll.steps
-        coll.recv(me + 1, flat, unfold)
+        coll.recv(me + 1, mine, unfold)
         return
     if me < 2 * r:
         coll.step = 1
-        coll.recv(me - 1, tmp, fold)
-        if flat.size:
-            combine(flat, tmp, False)
+        fold_in(me - 1, fold)
         v = me // 2
     else:
         v = me - r
     for k in range(rounds):
         coll.step = k + 1 + (1 if r else 0)
         pv = v ^ (1 << k)
-        peer = 2 * pv + 1 if pv < r else pv + r
-        coll.sendrecv(peer, flat, tmp, rnd)
-        if flat.size:
-            combine(flat, tmp, k == rounds - 1)
+        exchange(k, v, 2 * pv + 1 if pv < r else pv + r, rnd)
+    done()
     if me < 2 * r:
         coll.step = coll.steps
-        coll.send(me - 1, flat, unfold)
+        coll.send(me - 1, mine, unfold)
 
 
-def _combiner(op: str, n: int, check: bool, backend: str | None):  # type: ignore[no-untyped-def]
-    """``combine(acc, x, last)``: add ``x`` into ``acc``; plants a NaN at ``acc[0]`` on overflow."""
-    if op in ("mean", "sum"):
-        divide = n if op == "mean" else None
+def _exchange(coll: Coll, flat: np.ndarray, opts: Options) -> None:
+    tmp = scratch(opts.workspace, "rd", flat.size, flat.dtype)
+    combine = combiner(opts, coll.size)  # an overflow marks element 0, which every later round carries
+    last = (1 << (coll.size.bit_length() - 1)).bit_length() - 2
 
-        def combine(acc: np.ndarray, x: np.ndarray, last: bool) -> None:
-            try:
-                kernels.accumulate(acc, x, divide_by=divide if last else None, check_finite=check, backend=backend)
-            except NonFiniteError:
-                acc[0] = np.nan  # inputs were checked finite: an overflow; make every rank see it
-        return combine
-    ufunc = np.maximum if op == "max" else np.minimum
+    def fold_in(partner: int, tag: int) -> None:
+        coll.recv(partner, tmp, tag)
+        if flat.size:
+            combine(flat, tmp, False)
 
-    def combine_minmax(acc: np.ndarray, x: np.ndarray, last: bool) -> None:
-        ufunc(acc, x, out=acc)
-    return combine_minmax
+    def exchange(k: int, v: int, peer: int, tag: int) -> None:
+        coll.sendrecv(peer, flat, tmp, tag)
+        if flat.size:
+            combine(flat, tmp, k == last)
+
+    butterfly(coll, flat, (tags.RD_FOLD, tags.RD_ROUND, tags.RD_UNFOLD), fold_in, exchange)

@@ -17,25 +17,16 @@ from __future__ import annotations
 import numpy as np
 
 from ..transport.base import Transport
-from ._common import Coll, Workspace, as_flat, check_op, chunk_bounds
+from ._common import Coll, Options, Workspace, as_flat, check_op, chunk_bounds
 from ._handshake import handshake, local_status, make_record
 from .ring import SEGMENT_BYTES, ring_pass
 
 __all__ = ["reduce_scatter"]
 
 
-def reduce_scatter(
-    transport: Transport,
-    buf: np.ndarray,
-    *,
-    op: str = "mean",
-    check_finite: bool = True,
-    seq: int = 0,
-    timeout: float | None = None,
-    segment_bytes: int = SEGMENT_BYTES,
-    workspace: Workspace | None = None,
-    backend: str | None = None,
-) -> np.ndarray:
+def reduce_scatter(transport: Transport, buf: np.ndarray, *, op: str = "mean", check_finite: bool = True, seq: int = 0,
+                   timeout: float | None = None, segment_bytes: int = SEGMENT_BYTES, workspace: Workspace | None = None,
+                   backend: str | None = None) -> np.ndarray:
     """Reduce ``buf`` across ranks; returns the view of ``buf`` holding this rank's reduced chunk."""
     flat = as_flat(buf, reduce=True)
     check_op(op)
@@ -47,8 +38,8 @@ def reduce_scatter(
     mine = flat[bounds[me] : bounds[me + 1]]
     if n == 1 or flat.size == 0:
         return mine
-    ring_pass(coll, flat, op, allgather=False, shift=-1, check=check_finite,
-              segment_bytes=segment_bytes, workspace=workspace, backend=backend)
+    ring_pass(coll, flat, Options(op, check_finite, seq, timeout, workspace, backend), allgather=False, shift=-1,
+              segment_bytes=segment_bytes)
     if check_finite and op in ("mean", "sum"):
         status = local_status(mine, True, backend)
         if status is not None:

@@ -21,16 +21,13 @@ docs/algorithms/ring.md.
 
 from __future__ import annotations
 
-import math
-from collections.abc import Callable
 from typing import Any
 
 import numpy as np
 
-from .. import kernels
-from ..errors import NonFiniteError
 from ..transport.base import Request, Transport
-from ._common import Coll, Workspace, chunk_bounds, scratch, segment_bounds
+from . import tags
+from ._common import Coll, Options, Workspace, chunk_bounds, combiner, scratch, segment_bounds
 from ._guard import guarded_allreduce
 
 __all__ = ["ring_allreduce", "ring_pass", "SEGMENT_BYTES"]
@@ -38,68 +35,34 @@ __all__ = ["ring_allreduce", "ring_pass", "SEGMENT_BYTES"]
 #: Default pipeline segment (bytes); 1 MiB measured best over tcp for 1-4 MiB buffers on 4 ranks.
 SEGMENT_BYTES = 1 << 20
 
-_PHASE = 1
 
-
-def ring_allreduce(
-    transport: Transport,
-    buf: np.ndarray,
-    *,
-    op: str = "mean",
-    check_finite: bool = True,
-    seq: int = 0,
-    timeout: float | None = None,
-    segment_bytes: int = SEGMENT_BYTES,
-    workspace: Workspace | None = None,
-    backend: str | None = None,
-) -> np.ndarray:
+def ring_allreduce(transport: Transport, buf: np.ndarray, *, op: str = "mean", check_finite: bool = True, seq: int = 0,
+                   timeout: float | None = None, segment_bytes: int = SEGMENT_BYTES, workspace: Workspace | None = None,
+                   backend: str | None = None) -> np.ndarray:
     """Allreduce ``buf`` in place over every rank with the ring algorithm; returns ``buf``."""
 
-    def body(coll: Coll, flat: np.ndarray) -> None:
-        ring_pass(coll, flat, op, allgather=True, shift=0, check=check_finite,
-                  segment_bytes=segment_bytes, workspace=workspace, backend=backend)
+    def body(coll: Coll, flat: np.ndarray, opts: Options) -> None:
+        ring_pass(coll, flat, opts, allgather=True, shift=0, segment_bytes=segment_bytes)
 
-    return guarded_allreduce(transport, buf, name="ring allreduce", algo="ring", op=op, check_finite=check_finite,
-                             seq=seq, timeout=timeout, backend=backend, body=body,
-                             find_bad=lambda coll, flat: _first_sentinel(flat, coll.size, segment_bytes))
+    return guarded_allreduce(transport, buf, Options(op, check_finite, seq, timeout, workspace, backend),
+                             name="ring allreduce", algo="ring", body=body)
 
 
-def _combiner(op: str, n: int, check: bool, backend: str | None) -> Callable[[np.ndarray, np.ndarray, bool], bool]:
-    """``combine(acc, x, last) -> ok``: one received segment into this rank's copy."""
-    if op in ("mean", "sum"):
-        divide = n if op == "mean" else None
-
-        def combine(acc: np.ndarray, x: np.ndarray, last: bool) -> bool:
-            try:
-                kernels.accumulate(acc, x, divide_by=divide if last else None, check_finite=check, backend=backend)
-            except NonFiniteError:
-                return False
-            return True
-
-        return combine
-    ufunc = np.maximum if op == "max" else np.minimum
-
-    def combine_minmax(acc: np.ndarray, x: np.ndarray, last: bool) -> bool:
-        ufunc(acc, x, out=acc)  # NaN propagates: a bad input was planted as a NaN in element 0
-        return True
-
-    return combine_minmax
-
-
-def ring_pass(coll: Coll, flat: np.ndarray, op: str, *, allgather: bool, shift: int, check: bool,
-              segment_bytes: int = SEGMENT_BYTES, workspace: Workspace | None = None,
-              backend: str | None = None) -> None:
+def ring_pass(coll: Coll, flat: np.ndarray, opts: Options, *, allgather: bool, shift: int,
+              segment_bytes: int = SEGMENT_BYTES) -> None:
     """Run the ring's reduce-scatter (and, with ``allgather``, its allgather) over ``flat``.
 
     ``shift`` rotates the schedule: after reduce-scatter rank ``q`` holds the
     reduced chunk ``q + shift + 1`` (``shift=-1`` gives every rank its own
-    chunk, as reduce_scatter wants).
+    chunk, as reduce_scatter wants). A segment whose sum comes out
+    non-finite is marked at its first element, so the start of every
+    segment is a marker slot (``Coll.marks``).
     """
     n, q = coll.size, coll.rank
     right, left = (q + 1) % n, (q - 1) % n
     bounds = chunk_bounds(flat.size, n)
     seg = max(1, segment_bytes // flat.itemsize)
-    tag = coll.tag0 + _PHASE
+    tag = coll.tag0 + tags.RING
     total = 2 * (n - 1) if allgather else n - 1
     base = q + shift
 
@@ -108,10 +71,12 @@ def ring_pass(coll: Coll, flat: np.ndarray, op: str, *, allgather: bool, shift: 
         return segment_bounds(bounds[c], bounds[c + 1], seg)
 
     # Setup, done once: the receive schedule (step, lo, hi) in order, two
-    # scratch rows for in-flight reduce-scatter segments, the combine kernel.
+    # scratch rows for in-flight reduce-scatter segments, the combine kernel,
+    # and the marker slots.
     units = [(g, a, b) for g in range(total) for a, b in segs(base - g - 1)]
-    tmp = scratch(workspace, "ring", (2, min(seg, bounds[1] - bounds[0])), flat.dtype)
-    combine = _combiner(op, n, check, backend)
+    tmp = scratch(opts.workspace, "ring", (2, min(seg, bounds[1] - bounds[0])), flat.dtype)
+    combine = combiner(opts, n)
+    coll.marks = [a for c in range(n) for a, b in segs(c) if b > a]
     sends: list[list[Request]] = [[] for _ in range(total)]
     reqs: dict[int, Request] = {}
 
@@ -138,11 +103,9 @@ def ring_pass(coll: Coll, flat: np.ndarray, op: str, *, allgather: bool, shift: 
         coll.step = g + 1
         coll.wait(reqs.pop(u), left)
         if g < n - 1 and b > a:
-            if not combine(flat[a:b], tmp[u % 2, : b - a], g == n - 2):
-                # An overflow, a planted bad input or an upstream sentinel: mark
-                # the segment's first element so the owner's copy and everyone's
-                # allgathered copy show it.
-                flat[a] = np.nan
+            # An overflow, a planted bad input or an upstream marker marks the segment's
+            # first element, so the owner's copy and everyone's allgathered copy show it.
+            combine(flat[a:b], tmp[u % 2, : b - a], g == n - 2)
         if g + 1 < total:
             sends[g + 1].append(coll.isend(right, flat[a:b], tag))
         if u + 2 < len(units):
@@ -150,14 +113,3 @@ def ring_pass(coll: Coll, flat: np.ndarray, op: str, *, allgather: bool, shift: 
     for step_sends in sends:
         for r in step_sends:
             coll.wait(r, right)
-
-
-def _first_sentinel(flat: np.ndarray, n: int, segment_bytes: int) -> tuple[int, float] | None:
-    """The first segment start that holds a NaN/Inf (a planted or overflowed segment), or None."""
-    bounds = chunk_bounds(flat.size, n)
-    seg = max(1, segment_bytes // flat.itemsize)
-    for c in range(n):
-        for a in range(bounds[c], bounds[c + 1], seg):
-            if not math.isfinite(flat[a]):
-                return a, float(flat[a])
-    return None

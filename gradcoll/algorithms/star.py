@@ -24,69 +24,61 @@ import numpy as np
 from .. import kernels
 from ..errors import NonFiniteError
 from ..transport.base import Transport
-from ._common import Coll, Workspace, scratch
+from . import tags
+from ._common import Coll, Options, Workspace, plant, scratch
 from ._guard import guarded_allreduce
 
 __all__ = ["star_allreduce"]
 
-_UP, _DOWN = 2, 3
 ROOT = 0
 
 
-def star_allreduce(
-    transport: Transport,
-    buf: np.ndarray,
-    *,
-    op: str = "mean",
-    check_finite: bool = True,
-    seq: int = 0,
-    timeout: float | None = None,
-    workspace: Workspace | None = None,
-    backend: str | None = None,
-) -> np.ndarray:
+def star_allreduce(transport: Transport, buf: np.ndarray, *, op: str = "mean", check_finite: bool = True, seq: int = 0,
+                   timeout: float | None = None, workspace: Workspace | None = None,
+                   backend: str | None = None) -> np.ndarray:
     """Allreduce ``buf`` in place through rank 0; returns ``buf``."""
-
-    def body(coll: Coll, flat: np.ndarray) -> None:
-        if coll.rank == ROOT:
-            _root(coll, flat, op, check_finite, workspace, backend)
-            return
-        coll.begin(2)
-        coll.step = 1
-        up = coll.isend(ROOT, flat, coll.tag0 + _UP)
-        down = coll.irecv(ROOT, flat, coll.tag0 + _DOWN)  # rank 0 replies only after reading ``up``
-        coll.wait(up, ROOT)
-        coll.step = 2
-        coll.wait(down, ROOT)
-
-    return guarded_allreduce(transport, buf, name="star allreduce", algo="star", op=op, check_finite=check_finite,
-                             seq=seq, timeout=timeout, backend=backend, body=body)
+    return guarded_allreduce(transport, buf, Options(op, check_finite, seq, timeout, workspace, backend),
+                             name="star allreduce", algo="star", body=_star)
 
 
-def _root(coll: Coll, flat: np.ndarray, op: str, check: bool, ws: Workspace | None, backend: str | None) -> None:
+def _star(coll: Coll, flat: np.ndarray, opts: Options) -> None:
+    if coll.rank == ROOT:
+        _root(coll, flat, opts)
+        return
+    coll.begin(2)
+    coll.step = 1
+    up = coll.isend(ROOT, flat, coll.tag0 + tags.STAR_UP)
+    down = coll.irecv(ROOT, flat, coll.tag0 + tags.STAR_DOWN)  # rank 0 replies only after reading ``up``
+    coll.wait(up, ROOT)
+    coll.step = 2
+    coll.wait(down, ROOT)
+
+
+def _root(coll: Coll, flat: np.ndarray, opts: Options) -> None:
     n = coll.size
     coll.begin(2)
     coll.step = 1
-    rows = scratch(ws, "star", (n, flat.size), flat.dtype)
-    up = coll.tag0 + _UP
+    rows = scratch(opts.workspace, "star", (n, flat.size), flat.dtype)
+    up = coll.tag0 + tags.STAR_UP
     reqs = [coll.irecv(p, rows[p], up) for p in range(1, n)]
     np.copyto(rows[0], flat)
     for p, req in zip(range(1, n), reqs, strict=True):
         coll.wait(req, p)
     if flat.size:
-        _reduce_rows(rows, flat, op, check, backend)
+        _reduce_rows(rows, flat, opts)
     coll.step = 2
-    down = coll.tag0 + _DOWN
+    down = coll.tag0 + tags.STAR_DOWN
     sends = [coll.isend(p, flat, down) for p in range(1, n)]
     for p, req in zip(range(1, n), sends, strict=True):
         coll.wait(req, p)
 
 
-def _reduce_rows(rows: np.ndarray, flat: np.ndarray, op: str, check: bool, backend: str | None) -> None:
-    """Reduce ``rows`` into ``flat`` in rank order; a NaN/Inf in a sum is planted as a NaN in element 0."""
-    if op in ("mean", "sum"):
+def _reduce_rows(rows: np.ndarray, flat: np.ndarray, opts: Options) -> None:
+    """Reduce ``rows`` into ``flat`` in rank order; a NaN/Inf in a sum is marked at element 0."""
+    if opts.op in ("mean", "sum"):
         try:
-            kernels.mean_reduce(rows, out=flat, op=op, check_finite=check, backend=backend)
+            kernels.mean_reduce(rows, out=flat, op=opts.op, check_finite=opts.check_finite, backend=opts.backend)
         except NonFiniteError:
-            flat[0] = np.nan
+            plant(flat)
         return
-    (np.maximum if op == "max" else np.minimum).reduce(rows, axis=0, out=flat)
+    (np.maximum if opts.op == "max" else np.minimum).reduce(rows, axis=0, out=flat)

@@ -29,6 +29,7 @@ from typing import Any
 
 import numpy as np
 
+from ..algorithms.tags import NODE_BODY, NODE_HEADER
 from ..errors import CollectiveTimeout, ProtocolError, TransportClosed
 from ..group.process_group import ProcessGroup
 from ..transport.base import Request
@@ -40,9 +41,9 @@ __all__ = ["Message", "send_json", "send_array", "isend_array", "send_error", "r
 
 _HDR = struct.Struct("<4sBBHQ")
 _MAGIC = b"GCND"
-# Strict tags between the collectives' data tags (< 2**28) and the lenient range (>= 2**30)
-# they now use: a node frame where a collective frame is due (or vice versa) drops the link.
-HEADER_TAG, BODY_TAG = 0x3E000001, 0x3E000002
+# Strict tags in the front ends' range of the tag registry: a node frame where a collective frame is due
+# (or vice versa) drops the link.
+HEADER_TAG, BODY_TAG = NODE_HEADER, NODE_BODY
 JSON, ARRAY, ERROR = 1, 2, 3
 _KINDS = {JSON: "json", ARRAY: "activation", ERROR: "error report"}
 _CODES: dict[np.dtype[Any], int] = {np.dtype(np.float16): 1, np.dtype(np.float32): 2, np.dtype(np.float64): 3}

@@ -215,6 +215,42 @@ def test_overflow_of_the_sum_halts_every_rank(algo: str, n: int) -> None:
         assert e.contributor is None and "overflowed" in str(e)
 
 
+@pytest.mark.parametrize("n", [2, 3])
+def test_ring_overflow_is_marked_at_its_segment(n: int) -> None:
+    count = 32 * n  # segments of 4 float32: eight in every chunk
+    bufs = [np.ones(count, np.float32) for _ in range(n)]
+    for b in bufs:
+        b[count - 2] = 3e38
+    _, errors = run_ranks(n, lambda r, t: ALLREDUCE["ring"](t, bufs[r], op="sum", segment_bytes=16, seq=4))
+    for e in errors:
+        assert isinstance(e, NonFiniteError) and e.contributor is None and e.index == count - 4, errors
+
+
+def mpi_like(t: Any) -> Any:
+    """``t`` as the mpi transport behaves: no lenient tags, and tags only up to TAG_UB - 2 (Open MPI: 2**31 - 3)."""
+    t.lenient_tags = False
+    for name in ("isend", "irecv"):
+        def start(peer: int, buf: Any, tag: int = 0, _orig: Any = getattr(t, name)) -> Any:
+            if not 0 <= tag <= 2**31 - 3:
+                raise UsageError(f"tag must be an int in [0, {2**31 - 3}], got {tag!r}")
+            return _orig(peer, buf, tag)
+        setattr(t, name, start)
+    return t
+
+
+@pytest.mark.parametrize("algo", ALGOS)
+def test_nonfinite_over_a_transport_without_lenient_tags(algo: str) -> None:
+    """The handshake round carries the input check; an overflow takes the error path, whose tag mpi accepts."""
+    n = 3
+    bufs = [np.full(10, 3e38, np.float32) for _ in range(n)]
+    _, errors = run_ranks(n, lambda r, t: ALLREDUCE[algo](mpi_like(t), bufs[r], op="sum", seq=3, timeout=5.0))
+    assert all(isinstance(e, NonFiniteError) and e.contributor is None for e in errors), errors
+    bufs = [np.ones(10, np.float32) for _ in range(n)]
+    bufs[1][6] = np.nan
+    _, errors = run_ranks(n, lambda r, t: ALLREDUCE[algo](mpi_like(t), bufs[r], seq=4, timeout=5.0))
+    assert all(isinstance(e, NonFiniteError) and (e.contributor, e.index) == (1, 6) for e in errors), errors
+
+
 def test_check_finite_off_passes_nan_through() -> None:
     bufs = [np.ones(5, np.float32) for _ in range(3)]
     bufs[1][0] = np.nan

@@ -151,6 +151,19 @@ def test_sum_overflow_halts_every_rank() -> None:
         assert all(isinstance(e, NonFiniteError) for e in err), (algo, err)
 
 
+@pytest.mark.parametrize("n", [2, 3])
+def test_ring_overflow_in_a_later_segment_halts_every_rank(n: int) -> None:
+    """The owner marks the start of the overflowed segment, not of its chunk: that slot is checked too."""
+    count, seg = 24 * n, 8  # 8 float32 per segment: three segments in every chunk
+    data = [np.ones(count, np.float32) for _ in range(n)]
+    for d in data:
+        d[count - 3] = 3e38  # the last segment of the last chunk
+    _, err = run(n, lambda r, t: deterministic_allreduce(t, data[r], op="sum", segment_bytes=4 * seg, seq=3))
+    for e in err:
+        assert isinstance(e, NonFiniteError) and e.contributor is None and e.index == count - seg, err
+        assert "overflowed although every input was finite (first at element" in str(e)
+
+
 @pytest.mark.parametrize("algo", ALGOS)
 def test_nonfinite_halts_every_rank(algo: str) -> None:
     data = contributions(3, 10, 5, seed=1)

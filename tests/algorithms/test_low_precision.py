@@ -164,6 +164,25 @@ def test_fp16_overflow_halts_every_rank(algo: str) -> None:
     assert all(isinstance(e, NonFiniteError) for e in err), err
 
 
+def test_ring_overflow_is_marked_at_its_chunk() -> None:
+    n, count = 3, 30
+    bufs = [np.ones(count, np.float32) for _ in range(n)]
+    for b in bufs:
+        b[25] = 40000.0  # the sum overflows fp16 in the last chunk (elements 20..29) only
+    _, err = run(n, lambda r, t: wire_allreduce(t, bufs[r], wire="fp16", op="sum", seq=6))
+    for e in err:
+        assert isinstance(e, NonFiniteError) and e.contributor is None and e.index == 20, err
+
+
+@pytest.mark.parametrize("algo", ALGOS)
+def test_zero_length_against_one_element_is_a_mismatch_on_every_rank(algo: str) -> None:
+    from gradcoll.errors import CollectiveMismatch
+
+    _, err = run(3, lambda r, t: wire_allreduce(t, np.ones(int(r == 1), np.float32), wire="bf16", algorithm=algo,
+                                                seq=1, timeout=2.0))
+    assert all(isinstance(e, CollectiveMismatch) and "count=0" in str(e) and "count=1" in str(e) for e in err), err
+
+
 def test_group_wire_and_half_inputs() -> None:
     n = 4
     rng = np.random.default_rng(3)
