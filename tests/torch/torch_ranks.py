@@ -190,6 +190,7 @@ def peer_failure(kind: str) -> None:
             os._exit(0)  # no goodbye: the others find the process gone
         store.wait(["peer_failure/done"], timedelta(seconds=120))  # stalled until the others have their error
         RESULTS["stalled"] = True
+        store.set("peer_failure/seen", "1")  # rank 0 hosts the store: it must not exit before this rank saw "done"
         return
     import time
 
@@ -198,6 +199,8 @@ def peer_failure(kind: str) -> None:
     RESULTS["seconds"] = time.monotonic() - t0
     if rank == 0:
         store.set("peer_failure/done", "1")
+        if kind == "stall":
+            store.wait(["peer_failure/seen"], timedelta(seconds=120))
 
 
 def main() -> None:
