@@ -31,7 +31,7 @@ from typing import Any
 from urllib.parse import urlsplit
 
 from .._util import Deadline
-from ..errors import CollectiveTimeout, ProtocolError, UsageError, seconds
+from ..errors import BackendUnavailable, CollectiveTimeout, ProtocolError, UsageError, seconds
 from ..store import FileStore, PrefixStore, Store, TCPStore
 from .connect import connect, load_backend
 from .process_group import ProcessGroup
@@ -109,10 +109,18 @@ def _check_port(port: int, what: str) -> int:
 
 
 def _default_kernels() -> str | None:
-    """'cython' when the compiled extension loads here, else None (automatic choice)."""
-    from ..kernels import available_backends
+    """'cython' when the compiled extension loads here, else None (automatic choice).
 
-    return "cython" if "cython" in available_backends() else None
+    Only the compiled backend is probed: asking for every available backend imports the GPU one too,
+    which costs seconds at every start-up.
+    """
+    from ..kernels.select import load_backend as load_kernels
+
+    try:
+        load_kernels("cython")
+    except BackendUnavailable:
+        return None
+    return "cython"
 
 
 def init_process_group(

@@ -52,7 +52,7 @@ log = logging.getLogger("gradcoll")
 # Datagram: magic, version, kind, source rank, generation, group token, seq, seconds, bytes, state; then UTF-8 text.
 _MSG = struct.Struct("<4sBBHI8sqdQB")
 _MAGIC, _VERSION = b"GCCT", 1
-QUERY, STATUS, PING, JOIN, DECIDE, ACK, WAKE = 1, 2, 3, 4, 5, 6, 7
+QUERY, STATUS, PING, JOIN, DECIDE, ACK, WAKE, ALARM = 1, 2, 3, 4, 5, 6, 7, 8
 IDLE, RUNNING, POISONED, SHRINKING, CLOSED = 0, 1, 2, 3, 4
 _STATE_NAMES = {IDLE: "idle", RUNNING: "running", POISONED: "poisoned", SHRINKING: "shrinking", CLOSED: "closed"}
 
@@ -74,19 +74,56 @@ class ControlChannel:
         self.joined: set[int] = set()  # peers that called shrink()
         self.decision: tuple[int, list[int], str, int] | None = None  # leader, members (old ranks), store host, port
         self.acks: set[int] = set()
+        self.alarms: dict[int, bytes] = {}  # rank -> the first error record it published (the witness channel)
+        #: Called (from the monitor thread) with (rank, record) when a peer's record arrives, and again while a
+        #: collective runs: the group stops its collective waiting for frames that will not come.
+        self.wake: Callable[[int, bytes], object] | None = None
         self._late_logged: set[int] = set()
         self.closed = False
 
     # -- sending -------------------------------------------------------------
     def send(self, peer: int, kind: int, seq: int = -1, seconds: float = 0.0, nbytes: int = 0, state: int = 0,
-             text: str = "") -> None:
-        """Send one datagram to ``peer`` (best effort: errors are ignored)."""
+             text: str = "", payload: bytes = b"") -> None:
+        """Send one datagram to ``peer`` (best effort: errors are ignored); ``payload`` goes after ``text``."""
         data = _MSG.pack(_MAGIC, _VERSION, kind, self.rank, self.generation, self.token, seq, seconds, nbytes,
-                         state) + text.encode()[:1024]
+                         state) + text.encode()[:1024] + payload[:1024]
         try:
             self.sock.sendto(data, self.addrs[peer])
         except OSError:
             pass
+
+    # -- the witness channel of the error path (gradcoll.algorithms._witness) ------------------
+    def publish(self, record: bytes) -> None:
+        """Keep ``record`` as this rank's and send it to every peer (the first one a rank publishes counts)."""
+        with self.cv:
+            if self.rank in self.alarms:
+                return
+            self.alarms[self.rank] = bytes(record)
+        for p in range(self.size):
+            if p != self.rank:
+                self.send(p, ALARM, payload=record)
+
+    def records(self) -> dict[int, bytes]:
+        """The first record each rank published (this one included)."""
+        with self.cv:
+            return dict(self.alarms)
+
+    def wait_records(self, timeout: float) -> None:
+        """Wait up to ``timeout`` seconds for a datagram (a record, or anything else)."""
+        with self.cv:
+            self.cv.wait(timeout)
+
+    def foreign_alarm(self) -> tuple[int, bytes] | None:
+        """The record of the lowest other rank that published one, if any."""
+        with self.cv:
+            others = sorted((r, b) for r, b in self.alarms.items() if r != self.rank)
+        return others[0] if others else None
+
+    def rewake(self) -> None:
+        """Call ``wake`` with the first record of another rank (if both are there)."""
+        first, wake = self.foreign_alarm(), self.wake
+        if first is not None and wake is not None:
+            wake(*first)
 
     def send_status(self, peer: int) -> None:
         """Answer ``peer`` with this rank's status."""
@@ -113,10 +150,13 @@ class ControlChannel:
         magic, version, kind, src, _gen, token, seq, secs, nbytes, state = _MSG.unpack_from(data)
         if magic != _MAGIC or version != _VERSION or token != self.token or not 0 <= src < self.size:
             return
-        text = data[_MSG.size:].decode(errors="replace")
+        body = data[_MSG.size:]
+        text = body.decode(errors="replace") if kind != ALARM else ""
         with self.cv:
             self.heard[src] = time.monotonic()
-            if kind == STATUS:
+            if kind == ALARM and src != self.rank:
+                self.alarms.setdefault(src, bytes(body))
+            elif kind == STATUS:
                 self.replies[src] = (state, seq, text, nbytes, secs)
             elif kind == JOIN:
                 self.joined.add(src)
@@ -129,6 +169,8 @@ class ControlChannel:
             elif kind == ACK:
                 self.acks.add(src)
             self.cv.notify_all()
+        if kind == ALARM:
+            self.rewake()
         if kind in (QUERY, PING):
             self.send_status(src)
         if kind == DECIDE and self.decision is not None and self.decision[0] == src:
@@ -256,6 +298,12 @@ class Monitor:
                     self._report = (cur, waited, now + min(1.0, max(0.1, stall)))
             else:
                 wait = min(wait, due - now)
+        ctl = self.control
+        if ctl is not None and cur is not None and ctl.wake is not None and ctl.foreign_alarm() is not None:
+            # A peer failed while this rank is inside a collective: a receive it posted after the first
+            # wake-up would wait for its timeout (gradcoll.algorithms._witness.wake). Until it stops.
+            ctl.rewake()
+            wait = min(wait, 0.02)
         if self._report is not None:
             cur0, waited, until = self._report
             ctl = self.control

@@ -53,6 +53,7 @@ Contract (checked by ``gradcoll.testing.check_transport``):
 from __future__ import annotations
 
 import abc
+from collections.abc import Callable
 from typing import Any, Protocol
 
 from .._util import Deadline
@@ -146,6 +147,10 @@ class Transport(abc.ABC):
     timeout: float
     #: True once ``close()`` was called on this transport.
     closed: bool
+    #: The longest frame (bytes) a lenient receive takes in whole when another frame than its own arrives
+    #: (or what the receive itself expects, if more); a longer one is refused unread with a ProtocolError
+    #: naming the peer. The collectives raise it to the size of the call they run.
+    stray_limit: int = 64 << 20
 
     def __init__(self, rank: int, size: int, timeout: float = 300.0) -> None:
         if size < 1:
@@ -211,6 +216,18 @@ class Transport(abc.ABC):
         n = rreq.wait(deadline.remaining())
         sreq.wait(deadline.remaining())
         return n
+
+    def interrupt(self, error: Callable[[int], BaseException]) -> int:
+        """Fail every pending send and receive with ``error(peer)``; return how many.
+
+        For a waiter that learned out of band that its collective cannot
+        finish (a peer published an error record): its wait returns at once
+        instead of at its timeout. An operation no byte of which has moved
+        is withdrawn (its link stays in step); one half way through a frame
+        goes on, and the wait for it raises the error instead. Transports
+        that cannot do it return 0 and wait as before.
+        """
+        return 0
 
     @abc.abstractmethod
     def close(self) -> None:

@@ -27,7 +27,7 @@ import platform
 import time
 
 from .._util import Deadline
-from ..errors import BackendUnavailable, ProtocolError, TransportBroken, TransportClosed, UsageError
+from ..errors import BackendUnavailable, ProtocolError, TransportAborted, TransportBroken, TransportClosed, UsageError
 from ..store import Store
 from . import frame as fr
 from ._engine import FramedTransport, Link
@@ -131,8 +131,8 @@ class ShmTransport(FramedTransport):
                     try:  # not the frame we expect: the careful path decides what it is
                         got = fr.unpack_header(ring, tail % cap)
                     except ProtocolError as e:
-                        self._fail(link, TransportBroken, f"peer {link.peer} broke the protocol: {e}", e,
-                                   fr.ABORT_PROTOCOL)
+                        self.refuse(link, op, ProtocolError(f"rank {self.rank}: peer {link.peer} broke the protocol: "
+                                                            f"{e}", rank=self.rank, peer=link.peer))
                         return True
                     tail += _HDR
                     op.hdr, op.off = True, _HDR
@@ -179,10 +179,10 @@ class ShmTransport(FramedTransport):
         if state == _CLOSED and not mid:
             self._fail(link, TransportClosed, f"peer {link.peer} closed the link")
         elif state == _CLOSED:
-            self._fail(link, TransportBroken, f"peer {link.peer} closed the link in the middle of a message")
+            self._fail(link, TransportClosed, f"peer {link.peer} closed the link in the middle of a message")
         else:
             why = fr.abort_reason(state - _ABORTED)
-            self._fail(link, TransportBroken, f"peer {link.peer} dropped the link after {why} on its side")
+            self._fail(link, TransportAborted, f"peer {link.peer} dropped the link after {why} on its side")
 
     def _idle(self, rounds: int, deadline: Deadline) -> None:
         now = time.monotonic()

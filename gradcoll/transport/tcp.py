@@ -31,7 +31,7 @@ import time
 from typing import cast
 
 from .._util import Deadline
-from ..errors import ProtocolError, TransportBroken, TransportClosed
+from ..errors import ProtocolError, TransportAborted, TransportBroken, TransportClosed
 from ..store import Store
 from . import frame as fr
 from ._engine import FramedTransport, Link, Op
@@ -187,7 +187,8 @@ class TcpTransport(FramedTransport):
                 try:
                     got = fr.unpack_header(op.hdr)
                 except ProtocolError as e:
-                    self._fail(link, TransportBroken, f"peer {link.peer} broke the protocol: {e}", e, fr.ABORT_PROTOCOL)
+                    self.refuse(link, op, ProtocolError(f"rank {self.rank}: peer {link.peer} broke the protocol: {e}",
+                                                        rank=self.rank, peer=link.peer))
                     return True
                 if not self._accept_header(link, op, got):
                     return True
@@ -208,8 +209,12 @@ class TcpTransport(FramedTransport):
         if not (link.recvq and link.recvq[0].off):
             try:
                 head = link.sock.recv(_HDR, socket.MSG_PEEK | socket.MSG_DONTWAIT)
-                if len(head) == _HDR and fr.unpack_header(head).kind == fr.CLOSE:
+                got = fr.unpack_header(head) if len(head) == _HDR else None
+                if got is not None and got.kind == fr.CLOSE:
                     cls, reason = TransportClosed, f"peer {link.peer} closed the link"
+                elif got is not None and got.kind == fr.ABORT:
+                    why = fr.abort_reason(got.tag)
+                    cls, reason = TransportAborted, f"peer {link.peer} dropped the link after {why} on its side"
             except (OSError, ProtocolError):
                 pass
         self._fail(link, cls, reason, e)

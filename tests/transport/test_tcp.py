@@ -15,7 +15,7 @@ import time
 import numpy as np
 import pytest
 
-from gradcoll.errors import CollectiveMismatch, CollectiveTimeout, TransportBroken, TransportClosed, UsageError
+from gradcoll.errors import CollectiveMismatch, CollectiveTimeout, ProtocolError, TransportBroken, TransportClosed, UsageError
 from gradcoll.store import HashStore
 from gradcoll.testing import run_ranks, threaded_group
 from gradcoll.transport import frame as fr
@@ -151,7 +151,7 @@ def test_a_send_withdrawn_before_its_first_byte_gives_its_seq_back(raw, withdraw
     [
         (fr.pack_header(0, 0, 100) + b"x" * 10, TransportBroken, "middle of a message"),
         (b"", TransportBroken, "without an orderly close"),
-        (struct.pack("<B3xIQQ", 9, 0, 0, 0), TransportBroken, "broke the protocol"),
+        (struct.pack("<B3xIQQ", 9, 0, 0, 0), ProtocolError, "broke the protocol"),
         (fr.pack_header(0, 0, 0, fr.CLOSE), TransportClosed, "closed the link"),
         (fr.pack_header(0, fr.ABORT_TIMEOUT, 0, fr.ABORT), TransportBroken, "after a timeout on its side"),
         (fr.pack_header(5, 0, 100), CollectiveMismatch, "expected seq 0 tag 0 (100 bytes), but peer 1 sent seq 5"),
