@@ -30,6 +30,7 @@ from dataclasses import dataclass
 from typing import Any
 from urllib.parse import urlsplit
 
+from .. import _auth
 from .._util import Deadline
 from ..errors import BackendUnavailable, CollectiveTimeout, ProtocolError, UsageError, seconds
 from ..store import FileStore, PrefixStore, Store, TCPStore
@@ -135,6 +136,7 @@ def init_process_group(
     stall_warning_s: float | None = 10.0,
     trace: str | None = None,
     startup_timeout: float | None = None,
+    secret: bytes | str | None = None,
     **transport_options: Any,
 ) -> ProcessGroup:
     """Join a group of ``world_size`` ranks over transport ``backend`` and return its ProcessGroup.
@@ -167,6 +169,14 @@ def init_process_group(
     store address already in use, ProtocolError when the address reached is
     not a gradcoll store, CollectiveTimeout if the others do not show up
     within ``startup_timeout`` seconds.
+
+    ``secret`` (bytes or str; default ``GRADCOLL_SECRET``; none if unset):
+    every connection of the group proves both ends know it: the TCPStore's
+    clients and server, every tcp link and shm segment, and every control
+    datagram (HMAC challenge-response and tags; docs/wire.md). A peer
+    without it is refused and logged with its address. Without a secret the
+    group trusts everything that can reach its addresses (127.0.0.1 by
+    default): see docs/reliability.md.
     """
     if backend is None:
         backend = os.environ.get("GRADCOLL_BACKEND") or "tcp"
@@ -175,9 +185,12 @@ def init_process_group(
     load_backend(backend)
     if kernel_backend is None:
         kernel_backend = _default_kernels()
+    key = _auth.resolve(secret)
+    if key is not None and backend in ("tcp", "shm"):
+        transport_options = {**transport_options, "secret": key}  # also read by the control channel
     owned = store is None
     if store is None:
-        store = _open_store(parse_init_method(init_method), rank, boot)
+        store = _open_store(parse_init_method(init_method), rank, boot, key)
     try:
         base = PrefixStore("gradcoll", store)
         # The k-th init on a rank meets the k-th on every other: each gets a namespace of its own.
@@ -248,12 +261,12 @@ def _startup_timeout(startup_timeout: float | None, timeout: float) -> float:
     return float(startup_timeout)
 
 
-def _open_store(where: InitMethod, rank: int, timeout: float) -> Store:
+def _open_store(where: InitMethod, rank: int, timeout: float, key: bytes | None = None) -> Store:
     """The rendezvous store of ``where``: rank 0 hosts the TCPStore, or everyone opens the FileStore."""
     if where.scheme == "file":
         return FileStore(where.path, timeout=timeout)
     try:
-        return TCPStore(where.host, where.port, is_master=rank == 0, timeout=timeout)
+        return TCPStore(where.host, where.port, is_master=rank == 0, timeout=timeout, secret=key)
     except UsageError as exc:
         if rank != 0:
             raise

@@ -21,7 +21,10 @@ running collective:
   it is the one being waited for. So every rank, stalled or late, logs.
 
 Datagrams carry a random 8-byte group token (set by rank 0 at bootstrap), so
-a stray one from another group is ignored. Without a control channel (a
+a stray one from another group is ignored. With the group's secret each
+also carries a counter and an HMAC tag keyed for the token: a forged,
+altered or replayed datagram is dropped and logged with its address
+(``gradcoll.observe.control.open_control`` opens the channel). Without a control channel (a
 group built directly on a transport) the warning gives this rank's own view
 only. The channel is also how survivors agree on membership after a failure
 ([`gradcoll.group.shrink`][gradcoll.group.shrink]). UDP across hosts may be filtered or lossy: the
@@ -31,7 +34,6 @@ stall report then lists those peers under "no answer".
 from __future__ import annotations
 
 import logging
-import secrets
 import socket
 import struct
 import threading
@@ -40,11 +42,11 @@ import weakref
 from collections.abc import Callable
 from typing import Any, Protocol
 
-from ..store import Store
+from .. import _auth
 from .trace import Recorder
 
 __all__ = [
-    "ControlChannel", "Diagnostics", "Monitor", "Watched", "open_control", "IDLE", "RUNNING", "POISONED", "SHRINKING", "CLOSED",
+    "ControlChannel", "Diagnostics", "Monitor", "Watched", "IDLE", "RUNNING", "POISONED", "SHRINKING", "CLOSED",
 ]
 
 log = logging.getLogger("gradcoll")
@@ -64,8 +66,12 @@ class ControlChannel:
     """One rank's UDP endpoint of a group's control channel (see the module docstring)."""
 
     def __init__(self, sock: socket.socket, rank: int, size: int, addrs: list[tuple[str, int]], token: bytes, *,
-                 host: str, backend: str, options: dict[str, Any], generation: int = 0) -> None:
+                 host: str, backend: str, options: dict[str, Any], generation: int = 0, key: bytes | None = None) -> None:
         self.sock, self.rank, self.size, self.addrs, self.token = sock, rank, size, addrs, token
+        # With the group's secret every datagram carries a counter and an HMAC tag (keyed for this group's
+        # token): a forged, altered or replayed one is dropped and logged with its address.
+        self._tagger = None if key is None else _auth.Tagger(_auth.derive(key, b"gradcoll-control-v1", token))
+        self._sent, self._last_seen = 0, [0] * size
         self.host, self.backend, self.options, self.generation = host, backend, dict(options), generation
         self.cv = threading.Condition()
         self.state_fn: Callable[[], Status] = lambda: (IDLE, 0, "", 0, 0.0)
@@ -87,6 +93,12 @@ class ControlChannel:
         """Send one datagram to ``peer`` (best effort: errors are ignored); ``payload`` goes after ``text``."""
         data = _MSG.pack(_MAGIC, _VERSION, kind, self.rank, self.generation, self.token, seq, seconds, nbytes,
                          state) + text.encode()[:1024] + payload[:1024]
+        if self._tagger is not None:
+            with self.cv:
+                self._sent += 1
+                count = self._sent
+            data += count.to_bytes(8, "little")
+            data += self._tagger.tag(count, data)
         try:
             self.sock.sendto(data, self.addrs[peer])
         except OSError:
@@ -135,21 +147,41 @@ class ControlChannel:
         """Handle at most one datagram, waiting up to ``timeout`` seconds for it."""
         try:
             self.sock.settimeout(max(0.0, timeout))
-            data = self.sock.recv(2048)
+            data, addr = self.sock.recvfrom(4096)
         except (TimeoutError, BlockingIOError, InterruptedError):
             return
         except OSError:
             time.sleep(min(timeout, 0.05))  # closed under us: the owner is stopping
             return
-        self.handle(data)
+        self.handle(data, addr)
 
-    def handle(self, data: bytes) -> None:
+    def _authentic(self, data: bytes, src: int, addr: object) -> bytes | None:
+        """``data`` without its counter and tag if they prove the secret and the counter is new, else None."""
+        assert self._tagger is not None
+        cut = len(data) - 8 - _auth.MAC_SIZE
+        count = int.from_bytes(data[cut : cut + 8], "little") if cut >= _MSG.size else 0
+        if cut < _MSG.size or not self._tagger.check(count, data[cut + 8 :], data[: cut + 8]):
+            log.warning("rank %d: dropped a control datagram from %s: its tag does not prove the group's secret",
+                        self.rank, addr)
+            return None
+        with self.cv:
+            if count <= self._last_seen[src]:
+                return None  # a replay, or a datagram overtaken by a later one
+            self._last_seen[src] = count
+        return data[:cut]
+
+    def handle(self, data: bytes, addr: object = None) -> None:
         """Act on one datagram (answer, record, or log)."""
         if len(data) < _MSG.size:
             return
         magic, version, kind, src, _gen, token, seq, secs, nbytes, state = _MSG.unpack_from(data)
         if magic != _MAGIC or version != _VERSION or token != self.token or not 0 <= src < self.size:
             return
+        if self._tagger is not None:
+            checked = self._authentic(data, src, addr)
+            if checked is None:
+                return
+            data = checked
         body = data[_MSG.size:]
         text = body.decode(errors="replace") if kind != ALARM else ""
         with self.cv:
@@ -202,29 +234,6 @@ class ControlChannel:
         if not self.closed:
             self.closed = True
             self.sock.close()
-
-
-def open_control(store: Store, rank: int, size: int, *, timeout: float, host: str = "127.0.0.1",
-                 backend: str = "", options: dict[str, Any] | None = None, generation: int = 0) -> ControlChannel:
-    """Bind this rank's control socket on ``host`` and learn every peer's address through ``store``."""
-    family = socket.AF_INET6 if ":" in host else socket.AF_INET
-    sock = socket.socket(family, socket.SOCK_DGRAM)
-    try:
-        sock.bind((host, 0))
-        k = store.add(f"control/calls/{rank}", 1)  # the k-th group on a rank meets the k-th on the others
-        if rank == 0:
-            store.set(f"control/{k}/token", secrets.token_bytes(8))
-        store.set(f"control/{k}/{rank}", f"{host} {sock.getsockname()[1]}".encode())
-        token = store.get(f"control/{k}/token", timeout)
-        addrs = []
-        for r in range(size):
-            h, p = store.get(f"control/{k}/{r}", timeout).decode().split(" ")
-            addrs.append((h, int(p)))
-    except BaseException:
-        sock.close()
-        raise
-    return ControlChannel(sock, rank, size, addrs, token, host=host, backend=backend, options=options or {},
-                          generation=generation)
 
 
 class Watched(Protocol):

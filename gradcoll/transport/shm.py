@@ -26,6 +26,7 @@ import os
 import platform
 import time
 
+from .. import _auth
 from .._util import Deadline
 from ..errors import BackendUnavailable, ProtocolError, TransportAborted, TransportBroken, TransportClosed, UsageError
 from ..store import Store
@@ -247,6 +248,7 @@ def create(
     ring_bytes: int = RING_BYTES,
     shm_dir: str | None = None,
     key_prefix: str = "shm",
+    secret: bytes | str | None = None,
 ) -> ShmTransport:
     """Connect ``rank`` to every other rank of this host through shared-memory rings.
 
@@ -256,7 +258,8 @@ def create(
     confirms (``gradcoll.transport.shm_segment``). ``shm_dir`` defaults to
     ``/dev/shm``. Use a fresh [`PrefixStore`][gradcoll.store.PrefixStore] per
     group. ``timeout`` bounds the bootstrap and becomes the transport's
-    default timeout.
+    default timeout. ``secret`` (default ``$GRADCOLL_SECRET``): both sides
+    of every segment prove they know it (the segment module's docstring).
     """
     if size < 1 or not 0 <= rank < size:
         raise UsageError(f"rank {rank} out of range for world size {size}")
@@ -266,5 +269,5 @@ def create(
             f"the shm transport relies on x86 store ordering and does not run on {machine!r}; use tcp"
         )
     segs = connect(store, rank, size, Deadline(timeout), ring_bytes=ring_bytes, directory=shm_dir or default_dir(),
-                   key_prefix=key_prefix)
+                   key_prefix=key_prefix, key=_auth.resolve(secret))
     return ShmTransport(rank, size, {peer: _RingLink(peer, seg) for peer, seg in segs.items()}, timeout)

@@ -30,6 +30,7 @@ import socket
 import time
 from typing import cast
 
+from .. import _auth
 from .._util import Deadline
 from ..errors import ProtocolError, TransportAborted, TransportBroken, TransportClosed
 from ..store import Store
@@ -280,6 +281,7 @@ def create(
     host: str = "127.0.0.1",
     sockbuf: int = SOCKBUF,
     key_prefix: str = "tcp",
+    secret: bytes | str | None = None,
 ) -> TcpTransport:
     """Connect ``rank`` to every other rank over TCP, exchanging addresses through ``store``.
 
@@ -289,7 +291,10 @@ def create(
     (``gradcoll.transport.tcp_connect``). Use a fresh
     [`PrefixStore`][gradcoll.store.PrefixStore] per group so stale addresses of an
     earlier group are never read. ``timeout`` bounds the whole bootstrap and
-    becomes the transport's default timeout.
+    becomes the transport's default timeout. ``secret`` (default
+    ``$GRADCOLL_SECRET``): every link proves both ends know it (mutual HMAC
+    challenge-response); a peer without it is refused and logged.
     """
-    socks = connect(store, rank, size, Deadline(timeout), host=host, sockbuf=sockbuf, key_prefix=key_prefix)
+    socks = connect(store, rank, size, Deadline(timeout), host=host, sockbuf=sockbuf, key_prefix=key_prefix,
+                    key=_auth.resolve(secret))
     return TcpTransport(rank, size, socks, timeout=timeout)
