@@ -82,7 +82,7 @@ def test_stale_segments_of_dead_creators_are_cleaned(shm_dir) -> None:
 
 def test_refuses_ranks_on_other_hosts(shm_dir) -> None:
     store = HashStore()
-    store.set("shm/0-1", b"elsewhere gcshm-1-x-0-1")
+    store.set("shm/0-1", b"elsewhere gcshm-1-abcdefabcdef-0-1")
     with pytest.raises(UsageError, match="one host"):
         shm.create(store, 1, 2, timeout=5, shm_dir=shm_dir)
 

@@ -168,6 +168,18 @@ def test_peer_faults(raw, wire: bytes, error: type, words: str) -> None:
         t.recv(1, bytearray(1), timeout=5)
 
 
+@pytest.mark.parametrize("claimed", [1 << 30, 1 << 40])
+def test_a_header_claiming_a_huge_stray_frame_is_refused_unread(raw, claimed: int) -> None:
+    """A lenient receive takes a stray frame in whole only up to ``stray_limit``: the peer's length sizes nothing."""
+    t, peer = raw
+    lenient = fr.LENIENT_TAG + 5
+    peer.sendall(fr.pack_header(0, lenient + 1, claimed))
+    with pytest.raises(ProtocolError, match=f"peer 1 sent a frame of {claimed} bytes .* refused unread") as info:
+        t.recv(1, bytearray(100), tag=lenient, timeout=5)
+    assert (info.value.rank, info.value.peer) == (0, 1)
+    assert peer.recv(fr.HEADER_SIZE)[0] == fr.ABORT  # the peer is told, so it fails fast too
+
+
 def test_reset_by_peer_is_broken(raw) -> None:
     t, peer = raw
     peer.setsockopt(socket.SOL_SOCKET, socket.SO_LINGER, struct.pack("ii", 1, 0))
