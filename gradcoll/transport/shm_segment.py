@@ -171,6 +171,7 @@ def connect(store: Store, rank: int, size: int, deadline: Deadline, *, ring_byte
         for seg in [*segs.values(), *(s for p, s in created.items() if p not in segs)]:
             seg.unlink()
             seg.release()
+        clean_stale_segments(directory)  # a peer killed during startup leaves its segments: the survivor removes them
         raise
     return segs
 

@@ -80,6 +80,24 @@ def test_stale_segments_of_dead_creators_are_cleaned(shm_dir) -> None:
     assert sorted(os.listdir(shm_dir)) == sorted([alive, "unrelated"])
 
 
+def test_a_survivors_failed_startup_removes_a_dead_peers_segments(shm_dir) -> None:
+    """A peer killed during startup leaves the segments it created: the survivor's error path removes them."""
+    proc = multiprocessing.get_context("spawn").Process(target=_exit_at_once)
+    proc.start()
+    proc.join(30)
+    left = f"{shm.PREFIX}{proc.pid}-abcdefabcdef-0-2"  # rank 0 created it for rank 2, then died
+
+    class Store(HashStore):
+        def get(self, key: str, timeout: float | None = None) -> bytes:
+            open(os.path.join(shm_dir, left), "wb").close()  # while rank 1 is starting: its own cleanup ran
+            return super().get(key, timeout)
+
+    store = Store()
+    with pytest.raises(CollectiveTimeout):  # rank 1 waits for rank 0's segment name, which never comes
+        shm.create(store, 1, 3, timeout=0.3, shm_dir=shm_dir)
+    assert _segments(shm_dir) == []
+
+
 def test_refuses_ranks_on_other_hosts(shm_dir) -> None:
     store = HashStore()
     store.set("shm/0-1", b"elsewhere gcshm-1-abcdefabcdef-0-1")
