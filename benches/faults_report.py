@@ -2,7 +2,9 @@
 
 Usage: ``python benches/faults_report.py build/faults.jsonl docs/reliability.md``. The table
 replaces everything between the ``<!-- faults:begin -->`` and ``<!-- faults:end -->``
-markers; the rest of the page is left as written.
+markers; the rest of the page is left as written. Rows of an area (collective, mpi,
+coordinator, soak) that the records do not measure are kept from the page as they were,
+so one area can be rerun alone.
 """
 
 from __future__ import annotations
@@ -68,9 +70,11 @@ def main(argv: list[str]) -> int:
     with open(page, encoding="utf-8") as f:
         text = f.read()
     head, _, rest = text.partition(BEGIN)
-    _, _, tail = rest.partition(END)
+    old, _, tail = rest.partition(END)
+    areas = {r["area"] for r in records}
+    kept = [line for line in old.strip().splitlines()[2:] if line.split("|")[1].strip() not in areas]
     with open(page, "w", encoding="utf-8") as f:
-        f.write(f"{head}{BEGIN}\n{table(records)}\n{END}{tail}")
+        f.write(f"{head}{BEGIN}\n{table(records)}\n" + "".join(f"{line}\n" for line in kept) + f"{END}{tail}")
     bad = sum(1 for r in records if r.get("problems"))
     print(f"{len(records)} scenario runs, {bad} with problems -> {page}")
     return 0
