@@ -56,7 +56,7 @@ def table(records: list[dict[str, Any]]) -> str:
         key = (r["area"], r.get("transport") or "", r.get("algorithm") or "", r["fault"], r.get("buffer") or "")
         groups[key].append(r)
     order = {"collective": 0, "mpi": 1, "coordinator": 2, "soak": 3}
-    lines = ["| area | transport / algorithm | fault, buffer (victim) | runs | detection ms (median / max) | "
+    lines = ["| area | transport / algorithm | fault, buffer (victim) | tried | detection ms (median / max) | "
              "what the others raised | lost | verdict |", "|---|---|---|---|---|---|---|---|"]
     lines += [_row(k, groups[k]) for k in sorted(groups, key=lambda k: (order.get(k[0], 9), k))]
     return "\n".join(lines)
