@@ -132,10 +132,15 @@ class ControlChannel:
         return others[0] if others else None
 
     def rewake(self) -> None:
-        """Call ``wake`` with the first record of another rank (if both are there)."""
-        first, wake = self.foreign_alarm(), self.wake
-        if first is not None and wake is not None:
-            wake(*first)
+        """Call ``wake`` with the other ranks' records, lowest rank first, until one stops something."""
+        wake = self.wake
+        if wake is None:
+            return
+        with self.cv:
+            others = sorted((r, b) for r, b in self.alarms.items() if r != self.rank)
+        for src, record in others:
+            if wake(src, record):
+                return
 
     def send_status(self, peer: int) -> None:
         """Answer ``peer`` with this rank's status."""
