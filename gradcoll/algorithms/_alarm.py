@@ -41,7 +41,7 @@ GRACE_END = 0.4
 #: Seconds a rank waits for records still missing once some record names a root cause.
 GRACE_ROOT = 0.4
 #: The error path waits at least this long for a missing record, and never longer than GRACE_MAX.
-GRACE_MIN = 0.3
+GRACE_MIN = 0.5
 GRACE_MAX = 5.0
 #: Seconds a rank waits for the record of a peer whose link broke before it counts it dead: a live rank
 #: that dropped its links after an error of its own publishes its record at once (over tcp an end of
