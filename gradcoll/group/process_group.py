@@ -24,7 +24,7 @@ from ..errors import UsageError
 from ..observe.diagnosis import ControlChannel, Diagnostics
 from ..observe.trace import GroupStats, Recorder
 from ..transport.base import Transport
-from .buffers import as_buffer, is_device_array
+from .buffers import as_buffer, is_device_array, tensor_wire
 from .work import Executor, Work
 
 __all__ = ["ProcessGroup", "Work", "Membership"]
@@ -100,16 +100,14 @@ class ProcessGroup:
         self._exec = Executor(transport, rec)
         self._diag = Diagnostics(self._exec, rec, timeout=self.timeout, stall_warning_s=stall_warning_s, trace=trace,
                                  control=control, owns_control=membership is None)
-        # The control channel outlives the links: the error path also sends its records there, so a rank
-        # whose failure is a consequence learns the first one (gradcoll.algorithms._witness).
+        # The control channel outlives the links: the error path sends its records there too (_witness).
         attach_witnesses(transport, control)
         if control is not None:
             control.wake = lambda src, record: wake_collective(transport, src, record, self._running_seq())
 
     def _running_seq(self) -> int | None:
         """The seq of the collective this rank is inside, if any (read from the control channel's thread)."""
-        running = self._diag.rec.current
-        return running[1] if running is not None else None
+        return None if (running := self._diag.rec.current) is None else running[1]
 
     # -- state -------------------------------------------------------------
     @property
@@ -148,6 +146,7 @@ class ProcessGroup:
         returns the same bits under any algorithm, world layout or arrival
         order (docs/algorithms/deterministic.md).
         """
+        wire_dtype = tensor_wire(buf, op, wire_dtype)  # torch float16/bfloat16 tensors: accumulated in float32
         if wire_dtype is not None or deterministic or _half(buf, op):
             return self._precise_allreduce(buf, op, algorithm, check_finite, async_op, timeout, wire_dtype,
                                            deterministic)
@@ -174,6 +173,7 @@ class ProcessGroup:
         from ..algorithms.deterministic import deterministic_allreduce
         from ..algorithms.low_precision import wire_allreduce, wire_of
 
+        given = buf  # what the caller gets back: their own object, not the view of it
         if not isinstance(buf, np.ndarray):
             buf = as_buffer(buf, writable=True, what="buf").array
         if deterministic and wire is not None:
@@ -194,7 +194,7 @@ class ProcessGroup:
             fn(self.transport, work, algorithm=algo, op=op, check_finite=check_finite, seq=seq, timeout=limit,
                workspace=self._ws, backend=self.kernel_backend, **kw)
             writeback()
-            return buf
+            return given
 
         return self._exec.submit(name, job, async_op, nbytes=work.nbytes)
 
