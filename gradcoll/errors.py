@@ -18,6 +18,7 @@ __all__ = [
     "TransportError",
     "TransportClosed",
     "TransportBroken",
+    "TransportAborted",
     "CollectiveTimeout",
     "CollectiveMismatch",
     "GroupPoisoned",
@@ -87,7 +88,16 @@ def _rebuild_nonfinite(msg: str, contributor: Any, index: Any, value: Any, rank:
 
 
 class ProtocolError(GradcollError):
-    """A peer sent bytes that break the protocol (remote fault)."""
+    """A peer sent bytes that break the protocol (remote fault).
+
+    ``peer`` is the rank (or address) that sent them, and ``rank`` the one
+    that read them, when known.
+    """
+
+    def __init__(self, message: str = "", *, rank: int | None = None, peer: Any = None) -> None:
+        self.rank = rank
+        self.peer = peer
+        super().__init__(message)
 
 
 class TransportError(GradcollError, ConnectionError):
@@ -105,6 +115,16 @@ class TransportClosed(TransportError):
 
 class TransportBroken(TransportError):
     """The link broke from outside (reset, dead process, lost segment)."""
+
+
+class TransportAborted(TransportBroken):
+    """The link was dropped after an error elsewhere: a consequence, never the cause.
+
+    The peer dropped it after an error on its side (it sent ABORT), or this
+    rank dropped it after a timeout, a mismatch or a protocol error on
+    another operation of the same link. A collective never reports one of
+    these as the reason it failed when the group knows the first failure.
+    """
 
 
 class CollectiveTimeout(GradcollError, TimeoutError):

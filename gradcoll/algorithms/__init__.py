@@ -34,6 +34,9 @@ import functools
 from collections.abc import Callable
 
 from ..model.costmodel import Node, best, crossovers, stored_models
+from ._witness import announce_close
+from ._witness import attach as attach_witnesses
+from ._witness import wake as wake_collective
 from .allgather import allgather
 from .barrier import barrier
 from .broadcast import broadcast
@@ -57,6 +60,9 @@ __all__ = [
     "auto_thresholds",
     "SEARCH_BYTES",
     "DEFAULT_TRANSPORT",
+    "attach_witnesses",
+    "announce_close",
+    "wake_collective",
 ]
 
 #: Allreduce algorithms by name.

@@ -140,7 +140,7 @@ def combiner(opts: Options, n: int) -> Callable[[np.ndarray, np.ndarray, bool], 
 class Coll:
     """One running collective on one rank: identity, progress, and error wording."""
 
-    __slots__ = ("t", "rank", "size", "name", "seq", "nbytes", "timeout", "deadline", "step", "steps",
+    __slots__ = ("t", "rank", "size", "name", "seq", "nbytes", "timeout", "started", "deadline", "step", "steps",
                  "tag0", "desc", "status", "pending", "marks")
 
     def __init__(self, transport: Transport, name: str, seq: int, nbytes: int, timeout: float | None) -> None:
@@ -151,6 +151,7 @@ class Coll:
         self.seq = seq
         self.nbytes = nbytes
         self.timeout = transport.timeout if timeout is None else timeout
+        self.started = time.monotonic()  # the call's start: its timeout, and the error path's grace, count from here
         self.deadline = Deadline(self.timeout)
         self.step = 0
         self.steps = 0
@@ -198,12 +199,9 @@ class Coll:
             else:
                 msg = f"rank {self.rank}: peer {peer} closed the link during {self.where()}"
             return TransportClosed(msg, rank=self.rank, peer=peer)
-        if isinstance(exc, TransportBroken):
-            return TransportBroken(
-                f"rank {self.rank}: the link to peer {peer} broke during {self.where()}: {exc}",
-                rank=self.rank,
-                peer=peer,
-            )
+        if isinstance(exc, TransportBroken):  # TransportAborted stays itself: a consequence, not a cause
+            return type(exc)(f"rank {self.rank}: the link to peer {peer} broke during {self.where()}: {exc}",
+                             rank=self.rank, peer=peer)
         if isinstance(exc, FrameMismatch):
             return exc  # the error path reads the frame it carries
         if isinstance(exc, CollectiveMismatch):

@@ -18,16 +18,19 @@ agreement round before its data. Its guarantees move here:
   declared in ``Coll.marks``. The result is bitwise the same on every rank,
   so every rank finds the same marker in it (``first_marker``) and enters
   the error path together: no rank returns while another halts.
-* **The error path** (``fail``), only after something went wrong (a
-  mismatch, a timeout, a closed link, a non-finite result): the rank sends
-  its 64-byte handshake record, with what it saw, to every peer under
-  ``tags.ALARM`` and collects theirs until a grace deadline, consuming the
-  stray data frames still queued before them. A peer still waiting for data
-  from it is woken by the alarm (its receive fails with the alarm frame).
-  Every rank then applies the verdict of ``gradcoll.algorithms._verdict`` to
-  the same table (``ALARMS``): a rank that never sent a record did not
-  arrive, records that differ are a CollectiveMismatch naming rank 0's call
-  and the first different one, NONFINITE statuses name the lowest culprit.
+* **The error path** (``gradcoll.algorithms._alarm.fail``), only after
+  something went wrong (a mismatch, a timeout, a closed or broken link,
+  bytes that break the protocol, a non-finite result): the rank sends its
+  64-byte record, with what it saw, to every peer under ``tags.ALARM`` and
+  on the group's witness channel (``_witness``), and collects theirs until
+  every peer is settled. Every rank then applies the verdict of
+  ``gradcoll.algorithms._verdict`` to the same table (``ALARMS``): the root
+  cause first (the rank that died, whose bytes broke the protocol, that
+  closed its group, that stalled), never the neighbour that noticed it.
+* **Hostile lengths.** The frame raises the transport's ``stray_limit`` to
+  the size of the call, so a stray frame up to what this collective sends
+  is taken in whole, and a longer one is refused unread (ProtocolError
+  naming the peer) instead of sizing an allocation.
 
 Transports without lenient tags (``mpi``) run the handshake round of
 ``gradcoll.algorithms._handshake`` before the data and use the error path only for a
@@ -44,17 +47,15 @@ from __future__ import annotations
 
 import math
 from collections.abc import Callable
-from typing import NoReturn
 
 import numpy as np
 
-from ..errors import CollectiveTimeout, ProtocolError, TransportBroken, TransportClosed, TransportError
-from ..transport.base import Deadline, Request, Transport
-from ..transport.frame import FrameMismatch
+from ..transport.base import Transport
 from . import tags
+from ._alarm import fail
 from ._common import Coll, Options, as_flat, check_op, plant
-from ._handshake import RECORD_SIZE, Record, absent, descriptor, handshake, local_status, pack, unpack, with_status
-from ._verdict import ALARMS, LINK_ERRORS, OK, PROTOCOL, TIMEOUT, status_of, verdict
+from ._handshake import descriptor, handshake, local_status, with_status
+from ._verdict import LINK_ERRORS
 
 __all__ = ["guarded_allreduce", "first_marker", "fail", "ERRORS"]
 
@@ -83,6 +84,8 @@ def guarded_allreduce(transport: Transport, buf: np.ndarray, opts: Options, *, n
         flat = as_flat(buf, reduce=True)
         check_op(opts.op)
     coll = Coll(transport, name, opts.seq, flat.nbytes, opts.timeout)
+    if flat.nbytes > transport.stray_limit:
+        transport.stray_limit = flat.nbytes  # frames of this call may arrive as strays (see the module doc)
     status = None if prepare is not None else local_status(flat, opts.check_finite, opts.backend)
     if status is not None:
         plant(flat)  # carried into every rank's result, whatever the op
@@ -119,113 +122,3 @@ def first_marker(coll: Coll, result: np.ndarray, values: np.ndarray | None = Non
         if bad(int(result[a])) if bad is not None else not math.isfinite(result[a]):
             return a, float((result if values is None else values)[a])
     return None
-
-
-def _experience(exc: BaseException) -> tuple[tuple[int, int, float], int]:
-    """(status, peer) for this rank's record after ``exc``: what it met, on the link to whom."""
-    if isinstance(exc, FrameMismatch):  # a frame of another call, or an alarm that woke it (its links are fine)
-        return (OK if exc.tag == tags.ALARM else PROTOCOL, -1, 0.0), exc.peer
-    status = (status_of(exc), -1, 0.0)
-    if isinstance(exc, CollectiveTimeout):
-        return status, exc.missing[0] if exc.missing else -1
-    if isinstance(exc, TransportError) and isinstance(exc.peer, int):
-        return status, exc.peer
-    return status, -1
-
-
-def fail(coll: Coll, exc: BaseException | None, bad: tuple[int, float] | None = None) -> NoReturn:
-    """The error path: exchange records with every peer, then raise the verdict every rank reaches.
-
-    ``exc`` is what went wrong on the data path (None when the data phase
-    finished but the result is non-finite; ``bad`` then gives the first bad
-    element and its value).
-    """
-    t, n, me = coll.t, coll.size, coll.rank
-    if exc is not None and (coll.pending is None or t.closed):
-        raise exc  # no lenient tags (data errors are reported as they are), or nothing left to talk over
-    own = with_status(coll.desc, coll.status) if exc is None else with_status(coll.desc, *_experience(exc))
-    table: list[Record | None] = [None] * n
-    table[me] = own
-    if isinstance(exc, FrameMismatch) and exc.tag == tags.ALARM:
-        table[exc.peer] = _parse(exc.payload)
-    if n > 1:
-        _exchange(coll, table, collect=not isinstance(exc, (TransportClosed, TransportBroken)))
-    verdict(coll, [s if s is not None else absent(TIMEOUT) for s in table], ALARMS, own=exc, marker=bad)
-    raise AssertionError("the verdict of a failed collective always raises")  # pragma: no cover
-
-
-def _parse(payload: bytes) -> Record:
-    if len(payload) != RECORD_SIZE:
-        return absent(PROTOCOL)
-    try:
-        return unpack(payload, 1)[0]
-    except ProtocolError:
-        return absent(PROTOCOL)
-
-
-def _exchange(coll: Coll, table: list[Record | None], collect: bool) -> None:
-    """Send this rank's record to every peer; with ``collect``, gather theirs into ``table`` until the grace."""
-    t, me = coll.t, coll.rank
-    grace = Deadline(None if coll.timeout is None else min(5.0, max(1.0, coll.timeout)))
-    mine = pack([table[me]])  # type: ignore[list-item]
-    peers = [p for p in range(coll.size) if p != me]
-    sends = []
-    for p in peers:
-        try:
-            sends.append(t.isend(p, mine, tags.ALARM))
-        except ERRORS as exc:
-            if table[p] is None:
-                table[p] = absent(status_of(exc))
-    if collect:
-        # Receives the data phase left behind: unstarted ones are withdrawn, one
-        # already reading a frame finishes it first (that frame may be p's alarm).
-        leftovers = list((coll.pending or {}).items())
-        for req, _ in leftovers:
-            req.cancel()
-        posted = {p: _post(t, p, table) for p in peers if table[p] is None}  # all at once: none waits for another
-        for req, p in leftovers:  # only an alarm counts: their own failures are this rank's story
-            try:
-                req.wait(grace.remaining())
-            except FrameMismatch as exc:
-                if exc.tag == tags.ALARM and table[p] is None:
-                    table[p] = _parse(exc.payload)
-            except ERRORS:
-                pass
-        for p, (alarm, buf) in posted.items():
-            while table[p] is None and alarm is not None:
-                if _take(alarm, p, table, grace) and table[p] is None:
-                    table[p] = _parse(bytes(buf))
-                elif table[p] is None:  # a stray data frame went by: wait for the next one
-                    alarm, buf = _post(t, p, table)
-            if alarm is not None:
-                alarm.cancel()
-    if coll.pending:
-        coll.pending.clear()
-    for req in sends:
-        try:
-            req.wait(grace.remaining())
-        except ERRORS:
-            pass
-
-
-def _post(t: Transport, p: int, table: list[Record | None]) -> tuple[Request | None, bytearray]:
-    buf = bytearray(RECORD_SIZE)
-    try:
-        return t.irecv(p, buf, tags.ALARM), buf
-    except ERRORS as exc:
-        table[p] = absent(status_of(exc))
-        return None, buf
-
-
-def _take(req: Request, p: int, table: list[Record | None], grace: Deadline) -> bool:
-    """Wait for a receive from ``p``; note an alarm or a failure in ``table``; True if it completed cleanly."""
-    try:
-        req.wait(grace.remaining())
-        return True
-    except FrameMismatch as exc:
-        if exc.tag == tags.ALARM and table[p] is None:
-            table[p] = _parse(exc.payload)
-    except ERRORS as exc:
-        if table[p] is None:
-            table[p] = absent(status_of(exc))
-    return False

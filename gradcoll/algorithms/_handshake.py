@@ -41,7 +41,7 @@ from .. import kernels
 from ..errors import CollectiveMismatch, CollectiveTimeout, NonFiniteError, ProtocolError, TransportBroken, TransportClosed
 from . import tags
 from ._common import Coll
-from ._verdict import HANDSHAKE, LINK_ERRORS, NONFINITE, OK, PROTOCOL, status_of, verdict
+from ._verdict import HANDSHAKE, LINK_ERRORS, MALFORMED, NONFINITE, OK, status_of, verdict
 
 __all__ = ["Record", "ROOT", "RECORD_SIZE", "descriptor", "make_record", "with_status", "local_status", "handshake",
            "pack", "unpack", "absent"]
@@ -94,6 +94,11 @@ class Record(NamedTuple):
         if self.root >= 0:
             parts.append(f"root={self.root}")
         return f"{KINDS[self.kind]}({', '.join(parts)}) at seq {self.seq}"
+
+    def op_name(self) -> str:
+        """``ring allreduce``: the collective's name, as its own rank's messages give it."""
+        algo = ALGOS[self.algo].replace("_", "-") if self.algo else ""
+        return f"{algo} {KINDS[self.kind] if self.kind else 'collective'}".strip()
 
 
 _KIND = {k: i for i, k in enumerate(KINDS)}
@@ -194,7 +199,7 @@ def gather_records(coll: Coll, own: Record) -> list[Record]:
         try:
             table.append(absent(failed[p]) if p in failed else unpack(bufs[p], 1)[0])
         except ProtocolError:
-            table.append(absent(PROTOCOL))
+            table.append(absent(MALFORMED))
     return table + [Record(0, 0, 0, 0, 0, -1, 0, 0)]  # the last slot, always OK
 
 

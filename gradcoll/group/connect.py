@@ -16,7 +16,8 @@ from types import ModuleType
 from typing import Any
 
 from ..errors import BackendUnavailable, UsageError
-from ..observe.diagnosis import SHRINKING, ControlChannel, open_control
+from ..observe.control import open_control
+from ..observe.diagnosis import SHRINKING, ControlChannel
 from ..store import PrefixStore, Store
 from .process_group import ProcessGroup
 from .shrink import agree, check_shrinkable

@@ -7,7 +7,17 @@ from typing import Any, Protocol
 
 import numpy as np
 
-from ..algorithms import ALLREDUCE, allgather, barrier, broadcast, reduce_scatter, select_allreduce
+from ..algorithms import (
+    ALLREDUCE,
+    allgather,
+    announce_close,
+    attach_witnesses,
+    barrier,
+    broadcast,
+    reduce_scatter,
+    select_allreduce,
+    wake_collective,
+)
 from ..algorithms._common import REDUCE_DTYPES, Workspace, check_op
 from ..algorithms.ring import SEGMENT_BYTES
 from ..errors import UsageError
@@ -90,6 +100,14 @@ class ProcessGroup:
         self._exec = Executor(transport, rec)
         self._diag = Diagnostics(self._exec, rec, timeout=self.timeout, stall_warning_s=stall_warning_s, trace=trace,
                                  control=control, owns_control=membership is None)
+        # The control channel outlives the links: the error path sends its records there too (_witness).
+        attach_witnesses(transport, control)
+        if control is not None:
+            control.wake = lambda src, record: wake_collective(transport, src, record, self._running_seq())
+
+    def _running_seq(self) -> int | None:
+        """The seq of the collective this rank is inside, if any (read from the control channel's thread)."""
+        return None if (running := self._diag.rec.current) is None else running[1]
 
     # -- state -------------------------------------------------------------
     @property
@@ -359,6 +377,10 @@ class ProcessGroup:
         """Fail queued work, close the transport (peers see TransportClosed), stop the worker. Idempotent."""
         if not self._exec.close():
             return
+        # Peers still inside a collective name this rank as the one that closed, whatever their
+        # links make of it (a reset, a half-sent frame), when they have the control channel.
+        running = self._running_seq()
+        announce_close(self.transport, running if running is not None else self.seq)
         self.transport.close()
         self._diag.close()
         if self._membership is not None:

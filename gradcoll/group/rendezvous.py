@@ -30,8 +30,9 @@ from dataclasses import dataclass
 from typing import Any
 from urllib.parse import urlsplit
 
+from .. import _auth
 from .._util import Deadline
-from ..errors import CollectiveTimeout, ProtocolError, UsageError, seconds
+from ..errors import BackendUnavailable, CollectiveTimeout, ProtocolError, UsageError, seconds
 from ..store import FileStore, PrefixStore, Store, TCPStore
 from .connect import connect, load_backend
 from .process_group import ProcessGroup
@@ -109,10 +110,18 @@ def _check_port(port: int, what: str) -> int:
 
 
 def _default_kernels() -> str | None:
-    """'cython' when the compiled extension loads here, else None (automatic choice)."""
-    from ..kernels import available_backends
+    """'cython' when the compiled extension loads here, else None (automatic choice).
 
-    return "cython" if "cython" in available_backends() else None
+    Only the compiled backend is probed: asking for every available backend imports the GPU one too,
+    which costs seconds at every start-up.
+    """
+    from ..kernels.select import load_backend as load_kernels
+
+    try:
+        load_kernels("cython")
+    except BackendUnavailable:
+        return None
+    return "cython"
 
 
 def init_process_group(
@@ -127,6 +136,7 @@ def init_process_group(
     stall_warning_s: float | None = 10.0,
     trace: str | None = None,
     startup_timeout: float | None = None,
+    secret: bytes | str | None = None,
     **transport_options: Any,
 ) -> ProcessGroup:
     """Join a group of ``world_size`` ranks over transport ``backend`` and return its ProcessGroup.
@@ -159,6 +169,14 @@ def init_process_group(
     store address already in use, ProtocolError when the address reached is
     not a gradcoll store, CollectiveTimeout if the others do not show up
     within ``startup_timeout`` seconds.
+
+    ``secret`` (bytes or str; default ``GRADCOLL_SECRET``; none if unset):
+    every connection of the group proves both ends know it: the TCPStore's
+    clients and server, every tcp link and shm segment, and every control
+    datagram (HMAC challenge-response and tags; docs/wire.md). A peer
+    without it is refused and logged with its address. Without a secret the
+    group trusts everything that can reach its addresses (127.0.0.1 by
+    default): see docs/reliability.md.
     """
     if backend is None:
         backend = os.environ.get("GRADCOLL_BACKEND") or "tcp"
@@ -167,9 +185,12 @@ def init_process_group(
     load_backend(backend)
     if kernel_backend is None:
         kernel_backend = _default_kernels()
+    key = _auth.resolve(secret)
+    if key is not None and backend in ("tcp", "shm"):
+        transport_options = {**transport_options, "secret": key}  # also read by the control channel
     owned = store is None
     if store is None:
-        store = _open_store(parse_init_method(init_method), rank, boot)
+        store = _open_store(parse_init_method(init_method), rank, boot, key)
     try:
         base = PrefixStore("gradcoll", store)
         # The k-th init on a rank meets the k-th on every other: each gets a namespace of its own.
@@ -240,13 +261,14 @@ def _startup_timeout(startup_timeout: float | None, timeout: float) -> float:
     return float(startup_timeout)
 
 
-def _open_store(where: InitMethod, rank: int, timeout: float) -> Store:
+def _open_store(where: InitMethod, rank: int, timeout: float, key: bytes | None = None) -> Store:
     """The rendezvous store of ``where``: rank 0 hosts the TCPStore, or everyone opens the FileStore.
 
     Where torch already serves ``MASTER_ADDR:MASTER_PORT``, every rank joins
     torch's store instead (through [`gradcoll.store.c10d`][gradcoll.store.c10d]):
     under torchrun, whose agent hosts it (``TORCHELASTIC_USE_AGENT_STORE=True``),
     and in a process that has initialised ``torch.distributed`` already.
+    ``key``: the group's secret, for the TCPStore (torch's store is torch's own).
     """
     if where.scheme == "file":
         return FileStore(where.path, timeout=timeout)
@@ -260,7 +282,7 @@ def _open_store(where: InitMethod, rank: int, timeout: float) -> Store:
         if uses_agent_store(env):
             return agent_store(where.host, where.port, timeout)
     try:
-        return TCPStore(where.host, where.port, is_master=rank == 0, timeout=timeout)
+        return TCPStore(where.host, where.port, is_master=rank == 0, timeout=timeout, secret=key)
     except UsageError as exc:
         if rank != 0:
             raise

@@ -14,7 +14,7 @@ import threading
 from collections.abc import Callable
 from typing import Any
 
-from ..errors import CollectiveTimeout, GroupPoisoned, TransportClosed
+from ..errors import CollectiveTimeout, GroupPoisoned, TransportClosed, UsageError
 from ..observe.trace import Recorder
 from ..transport.base import Transport
 
@@ -89,6 +89,7 @@ class Executor:
         self._queue: collections.deque[tuple[Work, Callable[[], Any]]] = collections.deque()
         self._busy = False
         self._worker: threading.Thread | None = None
+        self._caller = 0  # the thread whose collectives are queued or running (0: none)
 
     def check(self) -> None:
         """Raise TransportClosed once closed, GroupPoisoned (chained to the failure) once poisoned."""
@@ -105,6 +106,15 @@ class Executor:
         """Run ``job`` with the next sequence number (``nseq`` numbers reserved); its result, or a Work."""
         with self._lock:
             self.check()
+            me = threading.get_ident()
+            if (self._queue or self._busy) and self._caller not in (0, me):
+                # Serialising two threads' calls here would not fix the order on the other ranks: their
+                # calls would pair up differently there and swap results. So a second driver is refused.
+                raise UsageError(
+                    f"rank {self.rank}: {name} called from a second thread while another thread's collective "
+                    f"(seq {self.seq - 1}) is still running; a process group is driven by one thread at a time "
+                    "(use one group per thread, or wait for the other thread's call)")
+            self._caller = me
             seq = self.seq
             self.seq += nseq
             inline = not async_op and not self._queue and not self._busy

@@ -21,7 +21,10 @@ running collective:
   it is the one being waited for. So every rank, stalled or late, logs.
 
 Datagrams carry a random 8-byte group token (set by rank 0 at bootstrap), so
-a stray one from another group is ignored. Without a control channel (a
+a stray one from another group is ignored. With the group's secret each
+also carries a counter and an HMAC tag keyed for the token: a forged,
+altered or replayed datagram is dropped and logged with its address
+(``gradcoll.observe.control.open_control`` opens the channel). Without a control channel (a
 group built directly on a transport) the warning gives this rank's own view
 only. The channel is also how survivors agree on membership after a failure
 ([`gradcoll.group.shrink`][gradcoll.group.shrink]). UDP across hosts may be filtered or lossy: the
@@ -31,7 +34,6 @@ stall report then lists those peers under "no answer".
 from __future__ import annotations
 
 import logging
-import secrets
 import socket
 import struct
 import threading
@@ -40,11 +42,11 @@ import weakref
 from collections.abc import Callable
 from typing import Any, Protocol
 
-from ..store import Store
+from .. import _auth
 from .trace import Recorder
 
 __all__ = [
-    "ControlChannel", "Diagnostics", "Monitor", "Watched", "open_control", "IDLE", "RUNNING", "POISONED", "SHRINKING", "CLOSED",
+    "ControlChannel", "Diagnostics", "Monitor", "Watched", "IDLE", "RUNNING", "POISONED", "SHRINKING", "CLOSED",
 ]
 
 log = logging.getLogger("gradcoll")
@@ -52,7 +54,7 @@ log = logging.getLogger("gradcoll")
 # Datagram: magic, version, kind, source rank, generation, group token, seq, seconds, bytes, state; then UTF-8 text.
 _MSG = struct.Struct("<4sBBHI8sqdQB")
 _MAGIC, _VERSION = b"GCCT", 1
-QUERY, STATUS, PING, JOIN, DECIDE, ACK, WAKE = 1, 2, 3, 4, 5, 6, 7
+QUERY, STATUS, PING, JOIN, DECIDE, ACK, WAKE, ALARM = 1, 2, 3, 4, 5, 6, 7, 8
 IDLE, RUNNING, POISONED, SHRINKING, CLOSED = 0, 1, 2, 3, 4
 _STATE_NAMES = {IDLE: "idle", RUNNING: "running", POISONED: "poisoned", SHRINKING: "shrinking", CLOSED: "closed"}
 
@@ -64,8 +66,12 @@ class ControlChannel:
     """One rank's UDP endpoint of a group's control channel (see the module docstring)."""
 
     def __init__(self, sock: socket.socket, rank: int, size: int, addrs: list[tuple[str, int]], token: bytes, *,
-                 host: str, backend: str, options: dict[str, Any], generation: int = 0) -> None:
+                 host: str, backend: str, options: dict[str, Any], generation: int = 0, key: bytes | None = None) -> None:
         self.sock, self.rank, self.size, self.addrs, self.token = sock, rank, size, addrs, token
+        # With the group's secret every datagram carries a counter and an HMAC tag (keyed for this group's
+        # token): a forged, altered or replayed one is dropped and logged with its address.
+        self._tagger = None if key is None else _auth.Tagger(_auth.derive(key, b"gradcoll-control-v1", token))
+        self._sent, self._last_seen = 0, [0] * size
         self.host, self.backend, self.options, self.generation = host, backend, dict(options), generation
         self.cv = threading.Condition()
         self.state_fn: Callable[[], Status] = lambda: (IDLE, 0, "", 0, 0.0)
@@ -74,19 +80,67 @@ class ControlChannel:
         self.joined: set[int] = set()  # peers that called shrink()
         self.decision: tuple[int, list[int], str, int] | None = None  # leader, members (old ranks), store host, port
         self.acks: set[int] = set()
+        self.alarms: dict[int, bytes] = {}  # rank -> the first error record it published (the witness channel)
+        #: Called (from the monitor thread) with (rank, record) when a peer's record arrives, and again while a
+        #: collective runs: the group stops its collective waiting for frames that will not come.
+        self.wake: Callable[[int, bytes], object] | None = None
         self._late_logged: set[int] = set()
         self.closed = False
 
     # -- sending -------------------------------------------------------------
     def send(self, peer: int, kind: int, seq: int = -1, seconds: float = 0.0, nbytes: int = 0, state: int = 0,
-             text: str = "") -> None:
-        """Send one datagram to ``peer`` (best effort: errors are ignored)."""
+             text: str = "", payload: bytes = b"") -> None:
+        """Send one datagram to ``peer`` (best effort: errors are ignored); ``payload`` goes after ``text``."""
         data = _MSG.pack(_MAGIC, _VERSION, kind, self.rank, self.generation, self.token, seq, seconds, nbytes,
-                         state) + text.encode()[:1024]
+                         state) + text.encode()[:1024] + payload[:1024]
+        if self._tagger is not None:
+            with self.cv:
+                self._sent += 1
+                count = self._sent
+            data += count.to_bytes(8, "little")
+            data += self._tagger.tag(count, data)
         try:
             self.sock.sendto(data, self.addrs[peer])
         except OSError:
             pass
+
+    # -- the witness channel of the error path (gradcoll.algorithms._witness) ------------------
+    def publish(self, record: bytes) -> None:
+        """Keep ``record`` as this rank's and send it to every peer (the first one a rank publishes counts)."""
+        with self.cv:
+            if self.rank in self.alarms:
+                return
+            self.alarms[self.rank] = bytes(record)
+        for p in range(self.size):
+            if p != self.rank:
+                self.send(p, ALARM, payload=record)
+
+    def records(self) -> dict[int, bytes]:
+        """The first record each rank published (this one included)."""
+        with self.cv:
+            return dict(self.alarms)
+
+    def wait_records(self, timeout: float) -> None:
+        """Wait up to ``timeout`` seconds for a datagram (a record, or anything else)."""
+        with self.cv:
+            self.cv.wait(timeout)
+
+    def foreign_alarm(self) -> tuple[int, bytes] | None:
+        """The record of the lowest other rank that published one, if any."""
+        with self.cv:
+            others = sorted((r, b) for r, b in self.alarms.items() if r != self.rank)
+        return others[0] if others else None
+
+    def rewake(self) -> None:
+        """Call ``wake`` with the other ranks' records, lowest rank first, until one stops something."""
+        wake = self.wake
+        if wake is None:
+            return
+        with self.cv:
+            others = sorted((r, b) for r, b in self.alarms.items() if r != self.rank)
+        for src, record in others:
+            if wake(src, record):
+                return
 
     def send_status(self, peer: int) -> None:
         """Answer ``peer`` with this rank's status."""
@@ -98,25 +152,48 @@ class ControlChannel:
         """Handle at most one datagram, waiting up to ``timeout`` seconds for it."""
         try:
             self.sock.settimeout(max(0.0, timeout))
-            data = self.sock.recv(2048)
+            data, addr = self.sock.recvfrom(4096)
         except (TimeoutError, BlockingIOError, InterruptedError):
             return
         except OSError:
             time.sleep(min(timeout, 0.05))  # closed under us: the owner is stopping
             return
-        self.handle(data)
+        self.handle(data, addr)
 
-    def handle(self, data: bytes) -> None:
+    def _authentic(self, data: bytes, src: int, addr: object) -> bytes | None:
+        """``data`` without its counter and tag if they prove the secret and the counter is new, else None."""
+        assert self._tagger is not None
+        cut = len(data) - 8 - _auth.MAC_SIZE
+        count = int.from_bytes(data[cut : cut + 8], "little") if cut >= _MSG.size else 0
+        if cut < _MSG.size or not self._tagger.check(count, data[cut + 8 :], data[: cut + 8]):
+            log.warning("rank %d: dropped a control datagram from %s: its tag does not prove the group's secret",
+                        self.rank, addr)
+            return None
+        with self.cv:
+            if count <= self._last_seen[src]:
+                return None  # a replay, or a datagram overtaken by a later one
+            self._last_seen[src] = count
+        return data[:cut]
+
+    def handle(self, data: bytes, addr: object = None) -> None:
         """Act on one datagram (answer, record, or log)."""
         if len(data) < _MSG.size:
             return
         magic, version, kind, src, _gen, token, seq, secs, nbytes, state = _MSG.unpack_from(data)
         if magic != _MAGIC or version != _VERSION or token != self.token or not 0 <= src < self.size:
             return
-        text = data[_MSG.size:].decode(errors="replace")
+        if self._tagger is not None:
+            checked = self._authentic(data, src, addr)
+            if checked is None:
+                return
+            data = checked
+        body = data[_MSG.size:]
+        text = body.decode(errors="replace") if kind != ALARM else ""
         with self.cv:
             self.heard[src] = time.monotonic()
-            if kind == STATUS:
+            if kind == ALARM and src != self.rank:
+                self.alarms.setdefault(src, bytes(body))
+            elif kind == STATUS:
                 self.replies[src] = (state, seq, text, nbytes, secs)
             elif kind == JOIN:
                 self.joined.add(src)
@@ -129,6 +206,8 @@ class ControlChannel:
             elif kind == ACK:
                 self.acks.add(src)
             self.cv.notify_all()
+        if kind == ALARM:
+            self.rewake()
         if kind in (QUERY, PING):
             self.send_status(src)
         if kind == DECIDE and self.decision is not None and self.decision[0] == src:
@@ -160,29 +239,6 @@ class ControlChannel:
         if not self.closed:
             self.closed = True
             self.sock.close()
-
-
-def open_control(store: Store, rank: int, size: int, *, timeout: float, host: str = "127.0.0.1",
-                 backend: str = "", options: dict[str, Any] | None = None, generation: int = 0) -> ControlChannel:
-    """Bind this rank's control socket on ``host`` and learn every peer's address through ``store``."""
-    family = socket.AF_INET6 if ":" in host else socket.AF_INET
-    sock = socket.socket(family, socket.SOCK_DGRAM)
-    try:
-        sock.bind((host, 0))
-        k = store.add(f"control/calls/{rank}", 1)  # the k-th group on a rank meets the k-th on the others
-        if rank == 0:
-            store.set(f"control/{k}/token", secrets.token_bytes(8))
-        store.set(f"control/{k}/{rank}", f"{host} {sock.getsockname()[1]}".encode())
-        token = store.get(f"control/{k}/token", timeout)
-        addrs = []
-        for r in range(size):
-            h, p = store.get(f"control/{k}/{r}", timeout).decode().split(" ")
-            addrs.append((h, int(p)))
-    except BaseException:
-        sock.close()
-        raise
-    return ControlChannel(sock, rank, size, addrs, token, host=host, backend=backend, options=options or {},
-                          generation=generation)
 
 
 class Watched(Protocol):
@@ -256,6 +312,12 @@ class Monitor:
                     self._report = (cur, waited, now + min(1.0, max(0.1, stall)))
             else:
                 wait = min(wait, due - now)
+        ctl = self.control
+        if ctl is not None and cur is not None and ctl.wake is not None and ctl.foreign_alarm() is not None:
+            # A peer failed while this rank is inside a collective: a receive it posted after the first
+            # wake-up would wait for its timeout (gradcoll.algorithms._witness.wake). Until it stops.
+            ctl.rewake()
+            wait = min(wait, 0.02)
         if self._report is not None:
             cur0, waited, until = self._report
             ctl = self.control

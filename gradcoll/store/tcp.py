@@ -8,11 +8,14 @@ import threading
 import time
 from collections.abc import Iterable
 
+from .. import _auth
 from .._util import recv_upto
 from ..errors import CollectiveTimeout, GradcollError, ProtocolError, TransportBroken, UsageError, seconds
 from ._server import (
     ADD,
+    AUTH,
     CHECK,
+    CLIENT_PROOF,
     DELETE,
     ERROR,
     GET,
@@ -20,8 +23,11 @@ from ._server import (
     HELLO,
     I64,
     LEN,
+    MAX_BYTES,
     MAX_FRAME,
+    MAX_KEYS,
     OK,
+    SERVER_PROOF,
     SET,
     STORE_MAGIC,
     STORE_VERSION,
@@ -47,12 +53,22 @@ class TCPStore(Store):
     ``port=0`` with ``is_master=True`` picks a free port (read it from
     ``.port``). Clients retry connecting until ``timeout``, so the master may
     start last. Thread-safe: calls from several threads are serialised.
+
+    ``secret`` (bytes or str; default ``$GRADCOLL_SECRET``, none if unset):
+    the server refuses every request of a client that does not prove it
+    knows the secret, and the client refuses a server that does not prove
+    it (mutual HMAC challenge-response bound to both nonces and the port).
+    The master's table holds at most ``max_bytes`` of keys and values and
+    ``max_keys`` keys; a set past them raises GradcollError naming the limit.
     """
 
     def __init__(self, host: str = "127.0.0.1", port: int = 0, *, is_master: bool = False,
-                 timeout: float = 300.0, max_frame: int = MAX_FRAME) -> None:
+                 timeout: float = 300.0, max_frame: int = MAX_FRAME, secret: bytes | str | None = None,
+                 max_bytes: int = MAX_BYTES, max_keys: int = MAX_KEYS) -> None:
         self.host, self.timeout, self.max_frame = host, timeout, max_frame
-        self._server = StoreServer(host, port, max_frame) if is_master else None
+        self._secret = _auth.resolve(secret)
+        self._server = (StoreServer(host, port, max_frame, key=self._secret, max_bytes=max_bytes, max_keys=max_keys)
+                        if is_master else None)
         self.port = self._server.port if self._server else port
         self._lock = threading.Lock()
         self._sock: socket.socket | None = self._connect()
@@ -75,6 +91,8 @@ class TCPStore(Store):
             try:
                 sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
                 self._greet(sock)
+                if self._secret is not None:
+                    self._authenticate(sock)
             except BaseException:
                 sock.close()
                 raise
@@ -109,6 +127,29 @@ class TCPStore(Store):
             raise ProtocolError(f"store: {where} closed the connection without answering the gradcoll store "
                                 f"greeting: it is not a gradcoll store; {hint}")
         raise ProtocolError(f"store: {where} is not a gradcoll store (it answered {bytes(head[:24])!r}); {hint}")
+
+    def _authenticate(self, sock: socket.socket) -> None:
+        """The client's side of the AUTH exchange (``gradcoll.store._server``): both ends prove the secret."""
+        where = f"{self.host}:{self.port}"
+        mine = _auth.nonce()
+        try:
+            send_frame(sock, bytes([AUTH]) + mine)
+            r = Reader(recv_frame(sock, 1024))
+            if r.take(1)[0] != OK:
+                raise ProtocolError(f"store: the store at {where} does not take a secret, but this rank has one: "
+                                    f"refusing it ({r.blob().decode(errors='replace')})")
+            theirs, proof = r.take(_auth.NONCE_SIZE), r.take(32)
+            if not _auth.same(proof, _auth.proof(self._secret or b"", SERVER_PROOF, self.port, mine, theirs)):
+                raise ProtocolError(f"store: the store at {where} does not know the group's secret: refusing it")
+            send_frame(sock, bytes([AUTH]) + _auth.proof(self._secret or b"", CLIENT_PROOF, self.port, mine, theirs))
+            r = Reader(recv_frame(sock, 1024))
+            if r.take(1)[0] != OK:
+                raise ProtocolError(f"store: the store at {where} refused this rank's secret: "
+                                    f"{r.blob().decode(errors='replace')}")
+        except (OSError, ConnectionError) as exc:
+            raise ProtocolError(f"store: {where} dropped the connection during authentication ({exc})") from None
+        finally:
+            sock.settimeout(None)
 
     def _call(self, payload: bytes, what: str, timeout: float | None = None) -> Reader:
         with self._lock:

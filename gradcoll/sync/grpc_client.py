@@ -25,7 +25,7 @@ import grpc.aio
 from ..errors import CollectiveTimeout, GradcollError, ProtocolError, TransportBroken, TransportClosed
 from . import wire
 from .accumulator import Aggregation
-from .grpc_server import DEFAULT_MAX_MESSAGE_BYTES, ERROR_KINDS, ERROR_METADATA, METHOD
+from .grpc_server import DEFAULT_MAX_MESSAGE_BYTES, ERROR_KINDS, ERROR_METADATA, METHOD, sync_token
 from .messages import AuthenticationError, GradientChunkResponse, GradientSyncRequest, SyncResult, SyncStream, SyncSummary, new_peer_id
 
 __all__ = ["GradientSyncClient"]
@@ -61,7 +61,9 @@ class GradientSyncClient:
         send_timeout: float = 60.0,
         max_message_bytes: int = DEFAULT_MAX_MESSAGE_BYTES,
         credentials: grpc.ChannelCredentials | None = None,
+        secret: bytes | str | None = None,
     ) -> None:
+        token = sync_token(token, secret)  # no token: the one derived from the group's secret, if any
         self.target = target
         self.connect_timeout = connect_timeout
         self.stream_timeout = stream_timeout

@@ -7,7 +7,11 @@ handlers on a ``grpc.aio`` server, so every waiting peer costs a coroutine,
 not a thread. The server binds 127.0.0.1 unless told otherwise; with a
 ``token`` it refuses (UNAUTHENTICATED) every call whose ``authorization``
 metadata is not ``Bearer <token>`` (compared in constant time). The token
-travels in clear unless ``credentials`` (TLS) are given.
+travels in clear unless ``credentials`` (TLS) are given. With the group's
+shared secret instead (``secret=`` or ``GRADCOLL_SECRET``, when no token is
+given) the token is derived from it (``sync_token``): the secret itself
+never travels, and the same secret serves the group, the node driver and
+the sync service.
 
 Failures travel as a gRPC status plus trailing metadata ``gradcoll-error``
 naming the gradcoll exception class, which the client raises again.
@@ -31,13 +35,14 @@ from typing import Any
 import grpc
 import grpc.aio
 
+from .. import _auth
 from ..errors import CollectiveMismatch, CollectiveTimeout, GradcollError, NonFiniteError, ProtocolError, TransportError, UsageError
 from . import wire
 from .blockstore import BlockNotFound, CorruptBlock, FileBlockStore
 from .messages import AuthenticationError
 from .service import GradientSyncService
 
-__all__ = ["GradientSyncServer", "ServerThread", "SERVICE", "METHOD", "ERROR_KINDS", "main"]
+__all__ = ["GradientSyncServer", "ServerThread", "SERVICE", "METHOD", "ERROR_KINDS", "main", "sync_token"]
 
 SERVICE = "gradcoll.sync.GradientSync"
 METHOD = f"/{SERVICE}/SyncGradients"
@@ -69,6 +74,14 @@ async def _abort(context: grpc.aio.ServicerContext, exc: BaseException) -> None:
     await context.abort(code, str(exc), trailing_metadata=((ERROR_METADATA, cls.__name__),))
 
 
+def sync_token(token: str | None, secret: bytes | str | None) -> str | None:
+    """``token``, else the bearer token derived from the shared secret (``secret`` or ``GRADCOLL_SECRET``)."""
+    if token is not None:
+        return token
+    key = _auth.resolve(secret)
+    return None if key is None else _auth.derive(key, b"gradcoll-sync-token-v1").hex()
+
+
 class GradientSyncServer:
     """Serves a GradientSyncService over gRPC on an asyncio loop (``await start()``)."""
 
@@ -81,7 +94,9 @@ class GradientSyncServer:
         token: str | None = None,
         max_message_bytes: int = DEFAULT_MAX_MESSAGE_BYTES,
         credentials: grpc.ServerCredentials | None = None,
+        secret: bytes | str | None = None,
     ) -> None:
+        token = sync_token(token, secret)
         if token is not None and not token:
             raise UsageError("token must be None (no authentication) or a non-empty string")
         self.service = service

@@ -12,11 +12,11 @@ from __future__ import annotations
 
 import threading
 from collections import deque
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 from typing import Any
 
 from .._util import Deadline
-from ..errors import CollectiveTimeout, TransportBroken, TransportClosed
+from ..errors import CollectiveTimeout, ProtocolError, TransportAborted, TransportClosed
 from . import frame as fr
 from .base import QueuedRequest, Request, Transport, as_bytes_view, as_writable_view
 
@@ -47,10 +47,15 @@ class Op(QueuedRequest):
 
 
 def _all_done(ops: tuple[Op, ...]) -> bool:
+    """True when every op is done, or one of them failed (a sendrecv whose receive failed ends; its send goes
+    on in the background, like any op left behind by a failed collective)."""
+    done = True
     for op in ops:
         if not op.done:
-            return False
-    return True
+            done = False
+        elif op.error is not None:
+            return True
+    return done
 
 
 class Link:
@@ -76,6 +81,7 @@ class FramedTransport(Transport):
         self._cv = threading.Condition(self._mu)
         self._driving = False
         self._sleepers = 0  # threads waiting on the condition while another drives
+        self._woken: Callable[[int], BaseException] | None = None  # set by interrupt(), raised by the next wait
         self._busy: dict[Link, None] = {}  # links with queued work, in insertion order
 
     #: Try to read at ``irecv`` time (cheap for memory rings, a wasted syscall for sockets).
@@ -166,6 +172,8 @@ class FramedTransport(Transport):
         mu = self._mu
         with mu:
             while self._driving and not _all_done(ops):
+                if self._woken is not None:
+                    raise self._woken_error(ops)
                 if deadline.expired():
                     self._expire(ops, deadline.timeout)
                 self._sleepers += 1
@@ -186,6 +194,8 @@ class FramedTransport(Transport):
                         idle += 1
                     if _all_done(ops):
                         break
+                    if self._woken is not None:
+                        raise self._woken_error(ops)
                     if deadline.expired():
                         self._expire(ops, deadline.timeout)
                     self._before_idle()
@@ -234,7 +244,16 @@ class FramedTransport(Transport):
         if verdict is fr.STRAY:
             # A lenient receive met another collective's frame (or an alarm): take
             # the frame in whole, so the stream stays in step, and fail the op with
-            # it when it completes (see _finish_recv).
+            # it when it completes (see _finish_recv). Its length is the peer's word:
+            # it sizes an allocation only up to what this receive or the running
+            # collective expects (``stray_limit``); anything longer is refused unread.
+            limit = max(op.total, self.stray_limit)
+            if got.length > limit:
+                self.refuse(link, op, ProtocolError(
+                    f"rank {self.rank}: peer {link.peer} sent a frame of {got.length} bytes (seq {got.seq}, tag "
+                    f"{got.tag}) where this rank's {op.describe(with_peer=False)} takes at most {limit} bytes; "
+                    f"refused unread ({self.name} transport)", rank=self.rank, peer=link.peer))
+                return False
             op.stray = (op.tag, op.total, op.view)
             op.tag, op.total, op.view = got.tag, got.length, memoryview(bytearray(got.length))
             return True
@@ -242,7 +261,7 @@ class FramedTransport(Transport):
             self._fail(link, TransportClosed, f"peer {link.peer} closed the link")
         elif verdict is fr.ABORTED:
             why = fr.abort_reason(got.tag)
-            self._fail(link, TransportBroken, f"peer {link.peer} dropped the link after {why} on its side")
+            self._fail(link, TransportAborted, f"peer {link.peer} dropped the link after {why} on its side")
         else:
             # The stream is out of step: the op learns exactly why, then the link
             # is dropped with an ABORT so the peer fails fast instead of hanging.
@@ -250,8 +269,15 @@ class FramedTransport(Transport):
                                   transport=self.name)
             link.recvq.remove(op)
             op.error, op.done = e, True
-            self._fail(link, TransportBroken, f"link dropped after a mismatch ({e})", e, fr.ABORT_MISMATCH)
+            self._fail(link, TransportAborted, f"link dropped after a mismatch ({e})", e, fr.ABORT_MISMATCH)
         return False
+
+    def refuse(self, link: Link, op: Op, exc: ProtocolError) -> None:
+        """``op`` met bytes that break the protocol: it fails with ``exc``, the link is dropped with an ABORT."""
+        if op in link.recvq:
+            link.recvq.remove(op)
+        op.error, op.done = exc, True
+        self._fail(link, TransportAborted, f"link dropped after a protocol error ({exc})", exc, fr.ABORT_PROTOCOL)
 
     def _finish_recv(self, link: Link, op: Op) -> None:
         """A receive has all its bytes (lock held; ``op`` already left the queue)."""
@@ -274,6 +300,32 @@ class FramedTransport(Transport):
         link.sendq.clear()
         link.recvq.clear()
         self._busy.pop(link, None)
+
+    def interrupt(self, error: Callable[[int], BaseException]) -> int:
+        """Fail every pending operation with ``error(peer)`` (see ``Transport``); returns how many.
+
+        One no byte of which has moved is withdrawn (its link stays in step).
+        One half way through a frame goes on in the background, like any op
+        a failed collective leaves behind, and the wait that waits for it
+        raises ``error`` instead (once: the next wait of this transport).
+        """
+        n = 0
+        with self._mu:
+            for link in self._links:
+                for op in [op for op in (*link.sendq, *link.recvq) if op.off == 0] if link is not None else ():
+                    self._withdraw(op)
+                    op.error, op.done = error(link.peer), True  # type: ignore[union-attr]
+                    n += 1
+            self._woken = error
+            self._wake_driver()
+            self._cv.notify_all()
+        return n
+
+    def _woken_error(self, ops: tuple[Op, ...]) -> BaseException:
+        """The error ``interrupt`` left for the next wait (lock held); it is used once."""
+        error, self._woken = self._woken, None
+        assert error is not None
+        return error(next(op for op in ops if not op.done).link.peer)
 
     def _cancel(self, op: Op) -> bool:
         """``Request.cancel``: withdraw ``op`` if no byte of it has moved (its ``wait`` then returns 0)."""
@@ -303,7 +355,7 @@ class FramedTransport(Transport):
             err = self._timeout_error(op.describe(with_peer=False), op.link.peer, timeout, op.total)
             if op.off:  # bytes already moved: the stream can no longer be trusted
                 reason = f"link abandoned mid-message after a timeout in {op.describe()}"
-                self._fail(op.link, TransportBroken, reason, err, fr.ABORT_TIMEOUT)
+                self._fail(op.link, TransportAborted, reason, err, fr.ABORT_TIMEOUT)
             else:
                 self._withdraw(op)
             op.error, op.done = err, True

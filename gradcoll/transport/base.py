@@ -28,11 +28,9 @@ Contract (checked by ``gradcoll.testing.check_transport``):
 * ``send`` returns once the buffer may be reused (the bytes may still be in
   flight). Zero-length messages are legal.
 * ``Request.cancel`` withdraws an operation no byte of which has moved yet
-  (True), or reports that it is already done (True) or under way (False).
-  A withdrawn request is done: ``test()`` is True and ``wait()`` returns 0
-  at once. A withdrawn receive takes no message: the next message from that
-  peer goes to the next receive. The collectives' error path cancels the
-  receives it no longer needs.
+  (True), or reports that it is done (True) or under way (False). A withdrawn
+  request is done (``wait()`` returns 0) and a withdrawn receive takes no
+  message. The collectives' error path cancels receives it no longer needs.
 * ``lenient_tags``: a transport that sets it True guarantees that a receive
   posted with a tag ``>= LENIENT_TAG`` (:mod:`gradcoll.transport.frame`) that
   meets a frame with another lenient tag or length consumes that frame whole,
@@ -40,29 +38,26 @@ Contract (checked by ``gradcoll.testing.check_transport``):
   and leaves the link in step. The collectives then run without an agreement
   round before their data (``gradcoll.algorithms._guard``); transports
   without it get one.
-* ``blocked_s`` counts the seconds collectives spent waiting on this
-  transport; callers add to it through ``note_wait`` (ProcessGroup.stats()
-  reports it as wait time).
+* ``blocked_s`` counts the seconds collectives waited on this transport
+  (``note_wait``; ProcessGroup.stats() reports it as wait time).
 * Errors carry what the collectives' error path reads: ``TransportClosed``
   and ``TransportBroken`` their ``peer``, ``CollectiveTimeout`` the peers it
   waited for in ``missing``. ``closed`` is True once this rank's own
-  ``close()`` ran (a collective then says "this rank's transport was
-  closed", not "the peer closed the link").
+  ``close()`` ran ("this rank's transport was closed", not "the peer closed").
 * ``shared_memory`` and ``window(nbytes)``: a transport whose ranks all share
   one host's memory (``shm``, ``inproc``, ``mpi`` on one node) sets
   ``shared_memory`` True, the same on every rank, and its ``window`` maps a
-  [`Window`][gradcoll.transport.base.Window]: one segment in which every
-  rank owns a slot and a header (``MPI_Win_allocate_shared`` in MPI-3). It
-  is collective: every rank calls it, in the same order, with the same
-  ``nbytes``. Other transports return None. ``group_window()`` is the one
-  window the collectives share (``GROUP_WINDOW_BYTES`` a rank, made at its
-  first call). ``close()`` closes every window of the transport.
+  [`Window`][gradcoll.transport.base.Window]: one segment, a slot and a header
+  per rank (MPI-3's ``MPI_Win_allocate_shared``). Collective: every rank calls
+  it in the same order with the same ``nbytes``; other transports return None.
+  ``group_window()`` is the window the collectives share (made at its first
+  call); ``close()`` closes every window.
 """
 
 from __future__ import annotations
 
 import abc
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import Any, NamedTuple, Protocol
 
 from .._util import Deadline
@@ -288,6 +283,10 @@ class Transport(abc.ABC):
     closed: bool
     #: True when every rank shares this host's memory: ``window`` then maps a ``Window``.
     shared_memory: bool = False
+    #: The longest frame (bytes) a lenient receive takes in whole when another frame than its own arrives
+    #: (or what the receive itself expects, if more); a longer one is refused unread with a ProtocolError
+    #: naming the peer. The collectives raise it to the size of the call they run.
+    stray_limit: int = 64 << 20
 
     def __init__(self, rank: int, size: int, timeout: float = 300.0) -> None:
         if size < 1:
@@ -375,6 +374,18 @@ class Transport(abc.ABC):
         """For implementations: close every window (part of ``close``)."""
         for win in self._windows:
             win.close()
+
+    def interrupt(self, error: Callable[[int], BaseException]) -> int:
+        """Fail every pending send and receive with ``error(peer)``; return how many.
+
+        For a waiter that learned out of band that its collective cannot
+        finish (a peer published an error record): its wait returns at once
+        instead of at its timeout. An operation no byte of which has moved
+        is withdrawn (its link stays in step); one half way through a frame
+        goes on, and the wait for it raises the error instead. Transports
+        that cannot do it return 0 and wait as before.
+        """
+        return 0
 
     @abc.abstractmethod
     def close(self) -> None:

@@ -44,7 +44,7 @@ __all__ = [
     "DATA", "CLOSE", "ABORT", "ABORT_ERROR", "ABORT_MISMATCH", "ABORT_TIMEOUT", "ABORT_PROTOCOL", "ABORT_REASONS",
     "HEADER", "HEADER_SIZE", "MAX_TAG", "LENIENT_TAG", "Header", "pack_header", "unpack_header", "check_tag",
     "abort_reason", "EXPECTED", "STRAY", "CLOSED", "ABORTED", "MISMATCH", "classify", "mismatch_error",
-    "check_header", "FrameMismatch", "lenient_mismatch", "HELLO", "ACK", "HELLO_SIZE", "MAGIC", "VERSION",
+    "check_header", "FrameMismatch", "lenient_mismatch", "HELLO", "ACK", "HELLO_AUTH", "ACK_AUTH", "HELLO_SIZE", "MAGIC", "VERSION",
     "Hello", "pack_hello", "unpack_hello",
 ]
 
@@ -81,6 +81,9 @@ MAGIC = b"GCTP"
 VERSION = 1
 HELLO = 1
 ACK = 2
+#: The same, from a rank that holds the group's secret: a mutual HMAC proof follows (gradcoll.transport.tcp_connect).
+HELLO_AUTH = 3
+ACK_AUTH = 4
 #: Handshake record: magic, version, kind, rank, world size, 16-byte group token.
 HELLO_STRUCT = struct.Struct("<4sHHII16s")
 HELLO_SIZE = HELLO_STRUCT.size  # 32
@@ -214,6 +217,6 @@ def unpack_hello(buf: bytes | bytearray | memoryview) -> Hello:
         raise ProtocolError(f"not a gradcoll peer (magic {magic!r})")
     if version != VERSION:
         raise ProtocolError(f"peer speaks transport protocol v{version}, we speak v{VERSION}")
-    if kind not in (HELLO, ACK):
+    if kind not in (HELLO, ACK, HELLO_AUTH, ACK_AUTH):
         raise ProtocolError(f"unknown handshake kind {kind}")
     return Hello(kind, rank, size, token)

@@ -37,7 +37,7 @@ from typing import Any
 import numpy as np
 
 from .._util import Deadline
-from ..errors import BackendUnavailable, CollectiveMismatch, TransportBroken, TransportClosed, UsageError
+from ..errors import BackendUnavailable, CollectiveMismatch, TransportAborted, TransportClosed, UsageError
 from ..store import Store
 from .base import QueuedRequest, Request, Transport, Window, as_bytes_view, as_writable_view
 from .window import LAYOUT, MappedWindow, init_header, plan
@@ -199,7 +199,7 @@ class MpiTransport(Transport):
         if got_tag == self._close_tag:
             self._fail(op.peer, TransportClosed, f"peer {op.peer} closed the link")
         elif got_tag == self._abort_tag:
-            self._fail(op.peer, TransportBroken, f"peer {op.peer} dropped the link after an error on its side")
+            self._fail(op.peer, TransportAborted, f"peer {op.peer} dropped the link after an error on its side")
         else:
             self._recvq[op.peer].popleft()
             op.error, op.done = CollectiveMismatch(
@@ -208,7 +208,7 @@ class MpiTransport(Transport):
                 f"(mpi transport; the ranks are running different collectives)"
             ), True
             reason = f"link dropped after a mismatch ({op.error})"
-            self._fail(op.peer, TransportBroken, reason)
+            self._fail(op.peer, TransportAborted, reason)
             self._loose.append(self._comm.Isend([b"", self._MPI.BYTE], dest=op.peer, tag=self._abort_tag))
 
     def _fail(self, peer: int, cls: type, reason: str) -> None:
@@ -261,7 +261,7 @@ class MpiTransport(Transport):
             what = f"{'send' if op.is_send else 'recv'} (seq {op.seq}, tag {op.tag}, {len(op.view)} bytes)"
             err = self._timeout_error(what, op.peer, timeout, len(op.view))
             if op.is_send or op.req is not None:  # MPI owns the buffer now: the link is unusable
-                self._fail(op.peer, TransportBroken, f"link abandoned after a timeout in {op.describe()}")
+                self._fail(op.peer, TransportAborted, f"link abandoned after a timeout in {op.describe()}")
             else:
                 self._recvq[op.peer].remove(op)
             op.error, op.done = err, True

@@ -26,8 +26,9 @@ import os
 import platform
 import time
 
+from .. import _auth
 from .._util import Deadline
-from ..errors import BackendUnavailable, ProtocolError, TransportBroken, TransportClosed, UsageError
+from ..errors import BackendUnavailable, ProtocolError, TransportAborted, TransportBroken, TransportClosed, UsageError
 from ..store import Store
 from . import frame as fr
 from ._engine import FramedTransport, Link
@@ -136,8 +137,8 @@ class ShmTransport(FramedTransport):
                     try:  # not the frame we expect: the careful path decides what it is
                         got = fr.unpack_header(ring, tail % cap)
                     except ProtocolError as e:
-                        self._fail(link, TransportBroken, f"peer {link.peer} broke the protocol: {e}", e,
-                                   fr.ABORT_PROTOCOL)
+                        self.refuse(link, op, ProtocolError(f"rank {self.rank}: peer {link.peer} broke the protocol: "
+                                                            f"{e}", rank=self.rank, peer=link.peer))
                         return True
                     tail += _HDR
                     op.hdr, op.off = True, _HDR
@@ -184,10 +185,10 @@ class ShmTransport(FramedTransport):
         if state == _CLOSED and not mid:
             self._fail(link, TransportClosed, f"peer {link.peer} closed the link")
         elif state == _CLOSED:
-            self._fail(link, TransportBroken, f"peer {link.peer} closed the link in the middle of a message")
+            self._fail(link, TransportClosed, f"peer {link.peer} closed the link in the middle of a message")
         else:
             why = fr.abort_reason(state - _ABORTED)
-            self._fail(link, TransportBroken, f"peer {link.peer} dropped the link after {why} on its side")
+            self._fail(link, TransportAborted, f"peer {link.peer} dropped the link after {why} on its side")
 
     def _idle(self, rounds: int, deadline: Deadline) -> None:
         now = time.monotonic()
@@ -257,6 +258,7 @@ def create(
     ring_bytes: int = RING_BYTES,
     shm_dir: str | None = None,
     key_prefix: str = "shm",
+    secret: bytes | str | None = None,
 ) -> ShmTransport:
     """Connect ``rank`` to every other rank of this host through shared-memory rings.
 
@@ -266,7 +268,8 @@ def create(
     confirms (``gradcoll.transport.shm_segment``). ``shm_dir`` defaults to
     ``/dev/shm``. Use a fresh [`PrefixStore`][gradcoll.store.PrefixStore] per
     group. ``timeout`` bounds the bootstrap and becomes the transport's
-    default timeout.
+    default timeout. ``secret`` (default ``$GRADCOLL_SECRET``): both sides
+    of every segment prove they know it (the segment module's docstring).
     """
     if size < 1 or not 0 <= rank < size:
         raise UsageError(f"rank {rank} out of range for world size {size}")
@@ -276,7 +279,7 @@ def create(
             f"the shm transport relies on x86 store ordering and does not run on {machine!r}; use tcp"
         )
     segs = connect(store, rank, size, Deadline(timeout), ring_bytes=ring_bytes, directory=shm_dir or default_dir(),
-                   key_prefix=key_prefix)
+                   key_prefix=key_prefix, key=_auth.resolve(secret))
     transport = ShmTransport(rank, size, {peer: _RingLink(peer, seg) for peer, seg in segs.items()}, timeout)
     transport.shm_dir = shm_dir
     return transport

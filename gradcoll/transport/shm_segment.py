@@ -28,6 +28,16 @@ it lives (the kernel releases it when the process dies, even as a zombie),
 which is how a waiting peer notices a dead one. Segments are named
 ``gcshm-<creator pid>-<token>-<lo>-<hi>``, unlinked as soon as the peer has
 mapped them, and ``connect`` removes stale ones whose creator is dead.
+
+The name a peer publishes is trusted no further than it can be checked:
+the attaching rank accepts only that exact pattern (no path separators,
+its own pair of ranks), opens it with ``O_NOFOLLOW`` and maps it only if it
+is a regular file owned by this user with mode 0600 and big enough for its
+own layout. With the group's secret the creator writes an HMAC proof bound
+to the segment's name and both ranks into the control block before
+publishing it, and the attacher writes its own proof back, which the
+creator checks before it uses the segment: a segment planted by a stranger
+(or a peer without the secret) is refused with a ProtocolError.
 """
 
 from __future__ import annotations
@@ -37,11 +47,14 @@ import fcntl
 import logging
 import mmap
 import os
+import re
 import secrets
 import socket
+import stat
 import tempfile
 import time
 
+from .. import _auth
 from .._util import Deadline
 from ..errors import ProtocolError, TransportBroken, UsageError
 from ..store import Store
@@ -59,6 +72,10 @@ W_MAGIC, W_CAP, W_PID = 0, 1, (2, 3)
 #: Control words per ring (index 0: low -> high rank, 1: high -> low) and per side.
 W_HEAD, W_TAIL, W_STATE = (16, 48), (24, 56), (80, 88)
 _POPULATE = getattr(mmap, "MAP_POPULATE", 0)  # Linux: map every page now, not on its first touch
+#: Bytes of the control block holding the creator's and the attacher's proofs of the secret.
+PROOFS = (2048, 2080)
+_NAME = re.compile(r"gcshm-(\d+)-[0-9a-f]{12}-(\d+)-(\d+)")
+_CREATOR, _ATTACHER = b"gradcoll-shm-creator-v1", b"gradcoll-shm-attacher-v1"
 
 
 class Segment:
@@ -121,7 +138,7 @@ class Segment:
 
 
 def connect(store: Store, rank: int, size: int, deadline: Deadline, *, ring_bytes: int, directory: str,
-            key_prefix: str = "shm") -> dict[int, Segment]:
+            key_prefix: str = "shm", key: bytes | None = None) -> dict[int, Segment]:
     """One mapped segment shared with every other rank of this host (peer -> segment).
 
     The lower rank of each pair creates the segment (``ring_bytes`` per
@@ -137,18 +154,24 @@ def connect(store: Store, rank: int, size: int, deadline: Deadline, *, ring_byte
     try:
         for peer in range(rank + 1, size):
             created[peer] = seg = _create(directory, f"{PREFIX}{os.getpid()}-{token}-{rank}-{peer}", cap)
+            if key is not None:
+                _write_proof(seg, key, _CREATOR, rank, peer, 0)
             store.set(f"{key_prefix}/{rank}-{peer}", f"{host} {os.path.basename(seg.path)}".encode())
         for peer in range(rank):
-            segs[peer] = _attach(store, f"{key_prefix}/{peer}-{rank}", directory, host, rank, peer, deadline)
+            segs[peer] = _attach(store, f"{key_prefix}/{peer}-{rank}", directory, host, rank, peer, deadline, key)
             store.set(f"{key_prefix}/{peer}-{rank}/attached", b"1")
         for peer, seg in created.items():
             store.get(f"{key_prefix}/{rank}-{peer}/attached", deadline.remaining())
             seg.unlink()
+            if key is not None and not _check_proof(seg, key, _ATTACHER, rank, peer, 1):
+                raise ProtocolError(f"rank {rank}: the process that attached to the segment shared with peer {peer} "
+                                    f"did not prove the group's secret", rank=rank, peer=peer)
             segs[peer] = seg
     except BaseException:
         for seg in [*segs.values(), *(s for p, s in created.items() if p not in segs)]:
             seg.unlink()
             seg.release()
+        clean_stale_segments(directory)  # a peer killed during startup leaves its segments: the survivor removes them
         raise
     return segs
 
@@ -190,22 +213,68 @@ def _allocate(fd: int, nbytes: int, directory: str) -> None:
         pass
 
 
-def _attach(store: Store, key: str, directory: str, host: str, rank: int, peer: int, deadline: Deadline) -> Segment:
+def _proof(seg: Segment, key: bytes, role: bytes, lo: int, hi: int) -> bytes:
+    return _auth.proof(key, role, os.path.basename(seg.path), lo, hi)
+
+
+def _write_proof(seg: Segment, key: bytes, role: bytes, lo: int, hi: int, which: int) -> None:
+    at = PROOFS[which]
+    seg.view[at : at + 32] = _proof(seg, key, role, lo, hi)
+
+
+def _check_proof(seg: Segment, key: bytes, role: bytes, lo: int, hi: int, which: int) -> bool:
+    at = PROOFS[which]
+    return _auth.same(bytes(seg.view[at : at + 32]), _proof(seg, key, role, lo, hi))
+
+
+def _name(raw: bytes, key: str, rank: int, peer: int) -> tuple[str, str]:
+    """(host, segment name) as ``peer`` published them; a name of any other shape is a ProtocolError."""
+    try:
+        their_host, name = raw.decode("ascii").split()
+    except (UnicodeDecodeError, ValueError):
+        raise ProtocolError(f"rank {rank}: store key {key!r} holds {raw[:64]!r}, not 'host segment-name'",
+                            rank=rank, peer=peer) from None
+    m = _NAME.fullmatch(name)
+    if m is None or (int(m[2]), int(m[3])) != (peer, rank):
+        raise ProtocolError(f"rank {rank}: peer {peer} published the shm segment name {name[:80]!r}, which is not "
+                            f"{PREFIX}<pid>-<token>-{peer}-{rank}: refused", rank=rank, peer=peer)
+    return their_host, name
+
+
+def _open_checked(path: str, rank: int, peer: int) -> int:
+    """Open a segment file only if it is a regular file of this user with mode 0600 (no symbolic link)."""
+    fd = os.open(path, os.O_RDWR | os.O_NOFOLLOW | os.O_CLOEXEC)
+    st = os.fstat(fd)
+    why = ("not a regular file" if not stat.S_ISREG(st.st_mode) else
+           f"owned by uid {st.st_uid}, not {os.getuid()}" if st.st_uid != os.getuid() else
+           f"mode {stat.S_IMODE(st.st_mode):o}, not 600" if stat.S_IMODE(st.st_mode) != 0o600 else
+           f"{st.st_size} bytes, too small" if st.st_size < CTRL + 2 * 4096 else "")
+    if why:
+        os.close(fd)
+        raise ProtocolError(f"rank {rank}: refused peer {peer}'s shm segment {path}: {why}", rank=rank, peer=peer)
+    return fd
+
+
+def _attach(store: Store, key: str, directory: str, host: str, rank: int, peer: int, deadline: Deadline,
+            secret: bytes | None = None) -> Segment:
     """Map the segment ``peer`` published under ``key``; retry a stale name until the deadline."""
     delay = 0.005
     while True:
-        their_host, name = store.get(key, deadline.remaining()).decode().split()
+        their_host, name = _name(store.get(key, deadline.remaining()), key, rank, peer)
         if their_host != host:
             raise UsageError(
                 f"rank {rank}: the shm transport needs every rank on one host; "
                 f"peer {peer} is on {their_host}, this rank on {host}"
             )
         try:
-            fd = os.open(os.path.join(directory, name), os.O_RDWR)
+            fd = _open_checked(os.path.join(directory, name), rank, peer)
             break
         except FileNotFoundError:
             if deadline.expired():
                 raise TransportBroken(f"rank {rank}: segment {name} of peer {peer} vanished", rank=rank, peer=peer) from None
+        except OSError as exc:  # O_NOFOLLOW met a symbolic link (ELOOP), or no permission
+            raise ProtocolError(f"rank {rank}: refused peer {peer}'s shm segment {name}: {exc.strerror}",
+                                rank=rank, peer=peer) from None
         time.sleep(delay)  # a stale name from an earlier group: wait for the new one
         delay = min(2 * delay, 0.1)
     try:
@@ -213,9 +282,15 @@ def _attach(store: Store, key: str, directory: str, host: str, rank: int, peer: 
     except BaseException:
         os.close(fd)
         raise
-    if seg.ctl[W_MAGIC] != MAGIC:
+    if seg.ctl[W_MAGIC] != MAGIC or CTRL + 2 * seg.cap > len(seg.view):
         seg.release()
         raise ProtocolError(f"rank {rank}: {name} is not a gradcoll shm segment (or another layout version)")
+    if secret is not None and not _check_proof(seg, secret, _CREATOR, peer, rank, 0):
+        seg.release()
+        raise ProtocolError(f"rank {rank}: the shm segment {name} published as peer {peer}'s does not prove the "
+                            f"group's secret: refused", rank=rank, peer=peer)
+    if secret is not None:
+        _write_proof(seg, secret, _ATTACHER, peer, rank, 1)
     seg.ctl[W_PID[1]] = os.getpid()
     seg.unlink()  # both sides have it mapped: nothing can leak from here on
     return seg

@@ -30,8 +30,9 @@ import socket
 import time
 from typing import cast
 
+from .. import _auth
 from .._util import Deadline
-from ..errors import ProtocolError, TransportBroken, TransportClosed
+from ..errors import ProtocolError, TransportAborted, TransportBroken, TransportClosed
 from ..store import Store
 from . import frame as fr
 from ._engine import FramedTransport, Link, Op
@@ -187,7 +188,8 @@ class TcpTransport(FramedTransport):
                 try:
                     got = fr.unpack_header(op.hdr)
                 except ProtocolError as e:
-                    self._fail(link, TransportBroken, f"peer {link.peer} broke the protocol: {e}", e, fr.ABORT_PROTOCOL)
+                    self.refuse(link, op, ProtocolError(f"rank {self.rank}: peer {link.peer} broke the protocol: {e}",
+                                                        rank=self.rank, peer=link.peer))
                     return True
                 if not self._accept_header(link, op, got):
                     return True
@@ -208,8 +210,12 @@ class TcpTransport(FramedTransport):
         if not (link.recvq and link.recvq[0].off):
             try:
                 head = link.sock.recv(_HDR, socket.MSG_PEEK | socket.MSG_DONTWAIT)
-                if len(head) == _HDR and fr.unpack_header(head).kind == fr.CLOSE:
+                got = fr.unpack_header(head) if len(head) == _HDR else None
+                if got is not None and got.kind == fr.CLOSE:
                     cls, reason = TransportClosed, f"peer {link.peer} closed the link"
+                elif got is not None and got.kind == fr.ABORT:
+                    why = fr.abort_reason(got.tag)
+                    cls, reason = TransportAborted, f"peer {link.peer} dropped the link after {why} on its side"
             except (OSError, ProtocolError):
                 pass
         self._fail(link, cls, reason, e)
@@ -275,6 +281,7 @@ def create(
     host: str = "127.0.0.1",
     sockbuf: int = SOCKBUF,
     key_prefix: str = "tcp",
+    secret: bytes | str | None = None,
 ) -> TcpTransport:
     """Connect ``rank`` to every other rank over TCP, exchanging addresses through ``store``.
 
@@ -284,7 +291,10 @@ def create(
     (``gradcoll.transport.tcp_connect``). Use a fresh
     [`PrefixStore`][gradcoll.store.PrefixStore] per group so stale addresses of an
     earlier group are never read. ``timeout`` bounds the whole bootstrap and
-    becomes the transport's default timeout.
+    becomes the transport's default timeout. ``secret`` (default
+    ``$GRADCOLL_SECRET``): every link proves both ends know it (mutual HMAC
+    challenge-response); a peer without it is refused and logged.
     """
-    socks = connect(store, rank, size, Deadline(timeout), host=host, sockbuf=sockbuf, key_prefix=key_prefix)
+    socks = connect(store, rank, size, Deadline(timeout), host=host, sockbuf=sockbuf, key_prefix=key_prefix,
+                    key=_auth.resolve(secret))
     return TcpTransport(rank, size, socks, timeout=timeout)

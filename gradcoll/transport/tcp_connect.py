@@ -6,6 +6,22 @@ one connection. A 32-byte handshake (magic, version, rank, world size, the
 listener's random token; ``gradcoll.transport.frame``) refuses strangers,
 stale addresses and duplicate links. ``connect`` returns the connected
 sockets; ``gradcoll.transport.tcp`` runs its data path over them.
+
+A listener runs every handshake in parallel, each in a thread of its own
+with a deadline (``HANDSHAKE_TIMEOUT``): idle or slow strangers cost their
+own thread, never a legitimate rank's seat, and a rank is counted only once
+its handshake completed on a live socket. A second completed handshake for
+a rank already connected is refused and logged with both addresses.
+
+With a ``key`` (the group's shared secret) the handshake is mutual
+challenge-response (``HELLO_AUTH``/``ACK_AUTH``): the dialler sends its
+nonce after the HELLO; the listener answers with its nonce and its proof;
+the dialler answers with its proof. Each proof is an HMAC
+(``gradcoll._auth``) bound to the listener's token (the group's session
+for that listener), both rank numbers, both nonces and the port dialled,
+so a recorded handshake cannot be replayed and a live one cannot be relayed
+through another address. A peer without the secret is refused and logged
+with its address; a dialler refuses a listener that cannot prove it.
 """
 
 from __future__ import annotations
@@ -13,8 +29,10 @@ from __future__ import annotations
 import logging
 import secrets
 import socket
+import threading
 import time
 
+from .. import _auth
 from .._util import Deadline, recv_exact
 from ..errors import CollectiveTimeout, ProtocolError, UsageError
 from ..store import Store
@@ -31,35 +49,40 @@ HANDSHAKE_TIMEOUT = 5.0
 
 
 def connect(store: Store, rank: int, size: int, deadline: Deadline, *, host: str = "127.0.0.1",
-            sockbuf: int = SOCKBUF, key_prefix: str = "tcp") -> dict[int, socket.socket]:
+            sockbuf: int = SOCKBUF, key_prefix: str = "tcp", key: bytes | None = None) -> dict[int, socket.socket]:
     """One connected, authenticated, ``TCP_NODELAY`` socket to every other rank (peer -> socket).
 
     Listens on ``host`` (an ephemeral port) when this rank has higher peers
     and publishes the address under ``{key_prefix}/{rank}``; dials every lower
-    rank and accepts every higher one, all before ``deadline``.
+    rank and accepts every higher one, all before ``deadline``. ``key``: the
+    group's secret (see the module docstring).
     """
     if size < 1 or not 0 <= rank < size:
         raise UsageError(f"rank {rank} out of range for world size {size}")
     socks: dict[int, socket.socket] = {}
     listener = None
+    acceptor = None
     try:
         if rank < size - 1:
             listener = socket.socket(_family(host), socket.SOCK_STREAM)
             _tune(listener, sockbuf)  # accepted sockets inherit the buffer sizes
             listener.bind((host, 0))
-            listener.listen(size)
+            listener.listen(max(size, 128))
             token = secrets.token_bytes(16)
             port = listener.getsockname()[1]
+            acceptor = _Acceptor(listener, token, port, rank, size, key, deadline)  # accepts while this rank dials
             store.set(f"{key_prefix}/{rank}", f"{host} {port} {token.hex()}".encode())
         for peer in range(rank):
-            socks[peer] = _dial(store, f"{key_prefix}/{peer}", rank, size, peer, deadline, sockbuf)
-        if listener is not None:
-            socks.update(_accept_all(listener, token, rank, size, deadline))
+            socks[peer] = _dial(store, f"{key_prefix}/{peer}", rank, size, peer, deadline, sockbuf, key)
+        if acceptor is not None:
+            socks.update(acceptor.result())
     except BaseException:
         for s in socks.values():
             s.close()
         raise
     finally:
+        if acceptor is not None:
+            acceptor.stop()
         if listener is not None:
             listener.close()
     for s in socks.values():
@@ -77,24 +100,53 @@ def _tune(sock: socket.socket, sockbuf: int) -> None:
         sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, sockbuf)
 
 
-def _dial(store: Store, key: str, rank: int, size: int, peer: int, deadline: Deadline, sockbuf: int) -> socket.socket:
+def _address(raw: bytes, key: str) -> tuple[str, int, bytes]:
+    """``host port token`` as a listener published it; anything else is a ProtocolError naming the key."""
+    try:
+        host, port, token_hex = raw.decode("ascii").split()
+        token = bytes.fromhex(token_hex)
+        if not 0 < int(port) < 65536 or len(token) != 16:
+            raise ValueError("port or token out of range")
+    except (UnicodeDecodeError, ValueError) as exc:
+        raise ProtocolError(f"store key {key!r} holds {raw[:64]!r}, not a tcp listener's 'host port token' "
+                            f"({exc})") from None
+    return host, int(port), token
+
+
+def _dial(store: Store, key: str, rank: int, size: int, peer: int, deadline: Deadline, sockbuf: int,
+          secret: bytes | None) -> socket.socket:
     """Connect to ``peer``'s listener and complete the handshake, retrying until the deadline."""
-    delay, last = 0.005, None
+    delay: float = 0.005
+    last: Exception | None = None
     while True:
         left = deadline.remaining()
-        host, port, token_hex = store.get(key, left).decode().split()
+        host, port, token = _address(store.get(key, left), key)
         sock = socket.socket(_family(host), socket.SOCK_STREAM)
         try:
             _tune(sock, sockbuf)
             sock.settimeout(min(HANDSHAKE_TIMEOUT, left) if left is not None else HANDSHAKE_TIMEOUT)
-            sock.connect((host, int(port)))
-            token = bytes.fromhex(token_hex)
-            sock.sendall(fr.pack_hello(fr.HELLO, rank, size, token))
+            sock.connect((host, port))
+            if secret is None:
+                sock.sendall(fr.pack_hello(fr.HELLO, rank, size, token))
+            else:
+                mine = _auth.nonce()
+                sock.sendall(fr.pack_hello(fr.HELLO_AUTH, rank, size, token) + mine)
             ack = fr.unpack_hello(recv_exact(sock, fr.HELLO_SIZE, "handshake"))
-            if ack.kind != fr.ACK or ack.rank != peer or ack.size != size or ack.token != token:
+            want = fr.ACK if secret is None else fr.ACK_AUTH
+            if ack.kind != want or ack.rank != peer or ack.size != size or ack.token != token:
                 raise ProtocolError(f"unexpected handshake answer {ack}")
+            if secret is not None:
+                got = recv_exact(sock, _auth.NONCE_SIZE + 32, "handshake proof")
+                theirs, proof = got[: _auth.NONCE_SIZE], got[_auth.NONCE_SIZE :]
+                if not _auth.same(proof, _auth.proof(secret, _LISTENER, token, peer, rank, mine, theirs, port)):
+                    raise _Refused(f"the listener at {host}:{port} does not know the group's secret")
+                sock.sendall(_auth.proof(secret, _DIALLER, token, rank, peer, theirs, mine, port))
             sock.settimeout(None)
             return sock
+        except _Refused as e:  # its address came from the store: a different secret, not a stale address
+            sock.close()
+            raise ProtocolError(f"rank {rank}: refused peer {peer}: {e} (do the ranks have different secrets?)",
+                                rank=rank, peer=peer) from None
         except (OSError, ProtocolError) as e:  # refused, stale address, stranger: retry
             sock.close()
             last = e
@@ -108,34 +160,99 @@ def _dial(store: Store, key: str, rank: int, size: int, peer: int, deadline: Dea
         delay = min(delay * 2, 0.2)
 
 
-def _accept_all(
-    listener: socket.socket, token: bytes, rank: int, size: int, deadline: Deadline
-) -> dict[int, socket.socket]:
-    """Accept one authenticated connection from every higher rank; refuse anything else."""
-    pending, socks = set(range(rank + 1, size)), {}
-    while pending:
-        left = deadline.remaining()
-        if left == 0:
-            raise CollectiveTimeout(
-                f"rank {rank}: peers {sorted(pending)} did not connect within {deadline.timeout}s (tcp transport)",
-                rank=rank, missing=sorted(pending), op="tcp accept",
-            )
-        listener.settimeout(left)
+class _Refused(ProtocolError):
+    """A peer failed the secret's proof."""
+
+
+#: The labels of the two proofs of the authenticated handshake.
+_LISTENER, _DIALLER = b"gradcoll-tcp-listener-v1", b"gradcoll-tcp-dialler-v1"
+
+
+class _Acceptor:
+    """The listener's side: accepts in a thread, one handshake thread per connection (see the module doc)."""
+
+    def __init__(self, listener: socket.socket, token: bytes, port: int, rank: int, size: int, key: bytes | None,
+                 deadline: Deadline) -> None:
+        self.listener, self.token, self.port, self.rank, self.size, self.key = listener, token, port, rank, size, key
+        self.deadline = deadline
+        self.cv = threading.Condition()
+        self.socks: dict[int, tuple[socket.socket, object]] = {}
+        self.stopped = False
+        self.refused = ""  # the last connection refused, for the timeout's message
+        self.thread = threading.Thread(target=self._accept, name=f"gradcoll-tcp-accept:{rank}", daemon=True)
+        self.thread.start()
+
+    def _accept(self) -> None:
+        self.listener.settimeout(0.05)  # polls ``stopped``; a connection is accepted as soon as it comes
+        while not self.stopped:
+            try:
+                conn, addr = self.listener.accept()
+            except TimeoutError:
+                continue
+            except OSError:
+                return
+            threading.Thread(target=self._handshake, args=(conn, addr), daemon=True).start()
+
+    def _handshake(self, conn: socket.socket, addr: object) -> None:
         try:
-            conn, addr = listener.accept()
-        except TimeoutError:
-            continue
-        try:
-            conn.settimeout(min(HANDSHAKE_TIMEOUT, left) if left is not None else HANDSHAKE_TIMEOUT)
+            conn.settimeout(HANDSHAKE_TIMEOUT)
             hello = fr.unpack_hello(recv_exact(conn, fr.HELLO_SIZE, "handshake"))
-            if hello.kind != fr.HELLO or hello.token != token or hello.size != size or hello.rank not in pending:
-                raise ProtocolError(f"unexpected handshake {hello} (expecting one of ranks {sorted(pending)})")
-            conn.sendall(fr.pack_hello(fr.ACK, rank, size, token))
+            want = fr.HELLO if self.key is None else fr.HELLO_AUTH
+            if hello.kind != want:
+                raise ProtocolError("the peer has no secret but this group requires one" if self.key is not None
+                                    else "the peer has a secret but this group has none")
+            if hello.token != self.token or hello.size != self.size or not self.rank < hello.rank < self.size:
+                raise ProtocolError(f"unexpected handshake {hello} (expecting one of ranks "
+                                    f"{self.rank + 1}..{self.size - 1})")
+            if self.key is None:
+                conn.sendall(fr.pack_hello(fr.ACK, self.rank, self.size, self.token))
+            else:
+                theirs, mine = recv_exact(conn, _auth.NONCE_SIZE, "handshake nonce"), _auth.nonce()
+                proof = _auth.proof(self.key, _LISTENER, self.token, self.rank, hello.rank, theirs, mine, self.port)
+                conn.sendall(fr.pack_hello(fr.ACK_AUTH, self.rank, self.size, self.token) + mine + proof)
+                got = recv_exact(conn, 32, "handshake proof")
+                if not _auth.same(got, _auth.proof(self.key, _DIALLER, self.token, hello.rank, self.rank, mine,
+                                                   theirs, self.port)):
+                    raise ProtocolError(f"wrong secret: the proof of a peer claiming rank {hello.rank} does not match")
             conn.settimeout(None)
-        except (OSError, ProtocolError) as e:
-            log.warning("rank %d: refused a connection from %s: %s", rank, addr, e)
+        except (OSError, ConnectionError, ProtocolError) as e:
+            log.warning("rank %d: refused a connection from %s: %s", self.rank, addr, e)
             conn.close()
-            continue
-        pending.discard(hello.rank)
-        socks[hello.rank] = conn
-    return socks
+            with self.cv:
+                self.refused = f"{addr}: {e}"
+            return
+        with self.cv:
+            if self.stopped or hello.rank in self.socks:
+                first = self.socks.get(hello.rank)
+                if first is not None:
+                    log.warning("rank %d: rank %d joined twice: from %s and %s; the second is refused", self.rank,
+                                hello.rank, first[1], addr)
+                conn.close()
+                return
+            self.socks[hello.rank] = (conn, addr)
+            self.cv.notify_all()
+
+    def result(self) -> dict[int, socket.socket]:
+        """Every higher rank's socket, once each has completed its handshake (CollectiveTimeout at the deadline)."""
+        want = set(range(self.rank + 1, self.size))
+        with self.cv:
+            while not want <= set(self.socks):
+                left = self.deadline.remaining()
+                if left == 0:
+                    pending = sorted(want - set(self.socks))
+                    raise CollectiveTimeout(
+                        f"rank {self.rank}: peers {pending} did not connect within {self.deadline.timeout}s "
+                        f"(tcp transport{'; last refused: ' + self.refused if self.refused else ''})",
+                        rank=self.rank, missing=pending, op="tcp accept")
+                self.cv.wait(left)
+            return {p: s for p, (s, _) in self.socks.items()}
+
+    def stop(self) -> None:
+        """Stop accepting; sockets not taken by ``result`` are closed."""
+        with self.cv:
+            self.stopped = True
+            taken = set(range(self.rank + 1, self.size)) <= set(self.socks)
+            leftover = [] if taken else [s for s, _ in self.socks.values()]
+        self.thread.join(1.0)
+        for s in leftover:
+            s.close()

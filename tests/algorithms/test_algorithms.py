@@ -276,7 +276,7 @@ def test_rank_that_never_calls_is_named_by_every_other(algo: str, absent: int) -
             continue
         assert isinstance(e, CollectiveTimeout), (r, e)
         assert e.missing == [absent] and e.seq == 3 and e.nbytes == 256 and "allreduce" in e.op
-        assert f"{absent} did not arrive" in str(e)
+        assert f"rank(s) {absent} stalled in" in str(e)
 
 
 @pytest.mark.parametrize("algo", ALGOS)
@@ -335,8 +335,8 @@ def test_peer_closing_mid_ring_is_named_with_step_and_seq() -> None:
     _, errors = run_ranks(3, fn)
     assert all(isinstance(e, TransportClosed) for e in errors), errors
     for r in (0, 1):
-        assert re.fullmatch(rf"rank {r}: peer 2 closed the link during ring allreduce step [1-4]/4 \(seq 118\)",
-                            str(errors[r])), errors[r]
+        pattern = rf"rank {r}: peer 2 closed the link during ring allreduce step [1-4]/4 \(seq 118\)( \(seen by rank \d\))?"
+        assert re.fullmatch(pattern, str(errors[r])), errors[r]
     assert "this rank's transport was closed" in str(errors[2])
 
 

@@ -17,7 +17,16 @@ import pytest
 from gradcoll.algorithms import _verdict as V
 from gradcoll.algorithms._common import Coll
 from gradcoll.algorithms._handshake import Record, absent, make_record, pack, unpack
-from gradcoll.errors import CollectiveMismatch, CollectiveTimeout, GradcollError, NonFiniteError, ProtocolError, TransportBroken, TransportClosed
+from gradcoll.errors import (
+    CollectiveMismatch,
+    CollectiveTimeout,
+    GradcollError,
+    NonFiniteError,
+    ProtocolError,
+    TransportAborted,
+    TransportBroken,
+    TransportClosed,
+)
 from gradcoll.transport.frame import FrameMismatch
 from gradcoll.transport.inproc import create_world
 
@@ -33,10 +42,11 @@ def coll(rank: int = 0) -> Coll:
 
 def test_status_codes_are_their_rows_and_the_wire_bytes() -> None:
     assert [s.code for s in V.STATUSES] == list(range(len(V.STATUSES)))
-    assert (V.OK, V.NONFINITE, V.TIMEOUT, V.CLOSED, V.BROKEN, V.PROTOCOL) == (0, 1, 2, 3, 4, 5)
+    assert (V.OK, V.NONFINITE, V.TIMEOUT, V.CLOSED, V.BROKEN, V.PROTOCOL, V.ABORTED, V.MALFORMED, V.LEFT) == tuple(range(9))
     for s in V.STATUSES:  # every status survives the 64-byte record
         rec = BASE._replace(status=s.code, peer=2, index=7, value=1.5)
         assert unpack(pack([rec]), 1) == [rec]
+    assert [s.name for s in V.STATUSES if s.root] == ["broken", "malformed", "left"]
 
 
 @pytest.mark.parametrize("status", V.STATUSES, ids=lambda s: s.name)
@@ -48,14 +58,15 @@ def test_every_exception_maps_to_its_status(status: Any) -> None:
 
 def test_status_of_subclasses_and_strangers() -> None:
     assert V.status_of(FrameMismatch("x", peer=1, tag=0, payload=b"")) == V.PROTOCOL  # a CollectiveMismatch
+    assert V.status_of(TransportAborted("x")) == V.ABORTED  # a TransportBroken, but a consequence
     assert V.status_of(ValueError("x")) == V.PROTOCOL
-    assert set(V.LINK_ERRORS) == {CollectiveTimeout, TransportClosed, TransportBroken, CollectiveMismatch,
-                                  ProtocolError}
+    assert set(V.LINK_ERRORS) == {CollectiveTimeout, TransportClosed, TransportBroken, TransportAborted,
+                                  CollectiveMismatch, ProtocolError}
 
 
 def test_docstring_status_table_is_the_table() -> None:
-    rows = re.findall(r"^\| (\d+) \| ([a-z-]+) \|", V.__doc__ or "", re.M)
-    assert [(int(c), name) for c, name in rows[: len(V.STATUSES)]] == [(s.code, s.name) for s in V.STATUSES]
+    rows = re.findall(r"^\| (\d+) \| ([a-z-]+) \| .* \| (yes|no) \|$", V.__doc__ or "", re.M)
+    assert [(int(c), name, root == "yes") for c, name, root in rows] == [(s.code, s.name, s.root) for s in V.STATUSES]
 
 
 def test_docstring_verdict_table_is_the_table() -> None:
@@ -68,24 +79,28 @@ def test_docstring_verdict_table_is_the_table() -> None:
 # -- every row, and the precedence -----------------------------------------------------
 
 # One way to make each row match, on table slot ``k`` (or on this rank's own findings), and a phrase of its words.
-OWN_CLOSED = TransportClosed("rank 0: peer 1 closed the link during ring allreduce step 2/6 (seq 5)", rank=0, peer=1)
-OWN_BROKEN = TransportBroken("rank 0: the link to peer 1 broke during ring allreduce step 2/6 (seq 5)", rank=0, peer=1)
 OWN_OTHER = CollectiveMismatch("rank 0: during ring allreduce step 1/6 (seq 5): something else")
 
 
 def trigger(i: int, k: int) -> dict[str, Any]:
     rule = V.VERDICT[i]
     f, st = rule.finding, rule.status
-    if f == "own link":
-        return {"own": OWN_CLOSED if st == V.CLOSED else OWN_BROKEN}
     if f == "own":
         return {"own": OWN_OTHER}
     if f == "result":
         return {"marker": (3, float("inf"))}
-    if f == "link":
-        return {"slot": (k, BASE._replace(status=st, peer=3))}
-    if f == "absent":
-        return {"slot": (k, absent(V.TIMEOUT if st == V.ANY else st))}
+    if f == "died":  # rank k's link to rank 3 broke, and rank 3 sent nothing
+        return {"slot": (k, BASE._replace(status=V.BROKEN, peer=3)), "absent": 3}
+    if f == "malformed":
+        return {"slot": (k, BASE._replace(status=V.MALFORMED, peer=3))}
+    if f == "left":
+        return {"slot": (k, BASE._replace(status=V.LEFT, peer=k))}
+    if f == "stalled":
+        return {"slot": (k, absent(V.TIMEOUT))}
+    if f == "link" and st == V.CLOSED:
+        return {"slot": (k, BASE._replace(status=V.CLOSED, peer=3))}
+    if f == "link":  # broke between two live ranks
+        return {"slot": (k, BASE._replace(status=V.BROKEN, peer=3))}
     if f == "descriptor":
         return {"slot": (k, BASE._replace(count=11))}
     extra = {"peer": 3} if st == V.TIMEOUT else {"index": 7, "value": float("inf")} if st == V.NONFINITE else {}
@@ -93,29 +108,33 @@ def trigger(i: int, k: int) -> dict[str, Any]:
 
 
 PHRASE = {
+    ("died", V.BROKEN): "rank 3 died during ring allreduce (seq 5), seen by rank",
+    ("malformed", V.MALFORMED): "rank 3 sent bytes that break the protocol during ring allreduce (seq 5), seen by rank",
+    ("left", V.LEFT): "closed its process group during ring allreduce (seq 5)",
+    ("stalled", V.TIMEOUT): "stalled in ring allreduce (seq 5): no data and no error record came from them",
     ("link", V.CLOSED): "peer 3 closed the link during ring allreduce (seq 5) (seen by rank",
-    ("link", V.BROKEN): "peer 3 lost the link during",
-    ("absent", V.PROTOCOL): "sent this rank a malformed error record in ring allreduce",
-    ("absent", V.ANY): "did not arrive (no data and no alarm from them)",
     ("descriptor", V.ANY): "collective mismatch: rank 0 called allreduce(op=mean, float32, count=10, algorithm=ring)",
     ("reported", V.NONFINITE): "contributed inf at element 7; every rank halts",
     ("result", V.NONFINITE): "the reduced sum overflowed although every input was finite (first at element 3)",
     ("reported", V.TIMEOUT): "peer(s) 3 stopped responding (seen by rank(s)",
     ("reported", V.PROTOCOL): "received a frame of another collective although every rank called",
+    ("link", V.BROKEN): "broke during ring allreduce (seq 5) (both ranks are alive)",
 }
 
 
-def decide(triggers: list[dict[str, Any]], seen: Any = V.ALARMS) -> BaseException | None:
+def decide(triggers: list[dict[str, Any]], seen: Any = V.ALARMS, rank: int = 0) -> BaseException | None:
     table: list[Record] = [BASE] * N
     own = marker = None
     for t in triggers:
         if "slot" in t:
             k, rec = t["slot"]
             table[k] = rec
+        if "absent" in t and t["absent"] != rank:
+            table[t["absent"]] = absent(V.TIMEOUT)
         own = t.get("own", own)
         marker = t.get("marker", marker)
     try:
-        V.verdict(coll(), table, seen, own=own, marker=marker)
+        V.verdict(coll(rank), table, seen, own=own, marker=marker)
     except BaseException as exc:  # noqa: BLE001 - the verdict's error is the result
         return exc
     return None
@@ -123,8 +142,8 @@ def decide(triggers: list[dict[str, Any]], seen: Any = V.ALARMS) -> BaseExceptio
 
 def assert_is_row(err: BaseException | None, i: int) -> None:
     rule = V.VERDICT[i]
-    if rule.finding in ("own link", "own"):
-        assert err is trigger(i, 1)["own"], (i, err)
+    if rule.finding == "own":
+        assert err is OWN_OTHER, (i, err)
         return
     assert type(err) is rule.raises, (i, err)
     assert err is not None and str(err).startswith("rank 0: "), err
@@ -138,8 +157,7 @@ def test_every_row_its_exception_and_words() -> None:
         assert_is_row(decide([trigger(i, 1)]), i)
 
 
-OWN_ROWS = {i for i, r in enumerate(V.VERDICT) if r.finding in ("own link", "own")}
-PAIRS = [(i, j) for i, j in itertools.combinations(range(len(V.VERDICT)), 2) if not {i, j} <= OWN_ROWS]  # one own error
+PAIRS = list(itertools.combinations(range(len(V.VERDICT)), 2))
 
 
 @pytest.mark.parametrize("i,j", PAIRS)
@@ -155,27 +173,58 @@ def test_all_well_returns() -> None:
 
 
 def test_error_attributes_name_the_culprits() -> None:
-    e = decide([trigger(2, 1)])  # a record of rank 1 reports peer 3 closed
-    assert isinstance(e, TransportClosed) and (e.rank, e.peer) == (0, 3) and "(seen by rank 1)" in str(e)
+    e = decide([trigger(0, 1)])  # rank 1 saw its link to rank 3 break, and rank 3 sent nothing
+    assert isinstance(e, TransportBroken) and (e.rank, e.peer) == (0, 3) and ", seen by rank 1" in str(e)
     e = decide([{"slot": (2, absent(V.CLOSED))}])  # this rank saw its link to 2 close
     assert isinstance(e, TransportClosed) and e.peer == 2 and str(e).endswith("during ring allreduce (seq 5)")
-    e = decide([{"slot": (1, absent(V.TIMEOUT))}, {"slot": (3, absent(V.TIMEOUT))}])
+    e = decide([{"slot": (1, absent(V.TIMEOUT))}, {"slot": (3, absent(V.ABORTED))}])  # 3: dropped after a timeout
     assert isinstance(e, CollectiveTimeout) and e.missing == [1, 3] and e.seq == 5 and e.nbytes == 40
     e = decide([{"slot": (3, BASE._replace(status=V.NONFINITE, index=4, value=-np.inf))},
                 {"slot": (2, BASE._replace(status=V.NONFINITE, index=9, value=np.nan))}])
     assert isinstance(e, NonFiniteError) and (e.contributor, e.index, e.rank, e.seq) == (2, 9, 0, 5)
     e = decide([{"slot": (1, BASE._replace(status=V.TIMEOUT, peer=2))}, {"slot": (3, BASE._replace(status=V.TIMEOUT, peer=1))}])
     assert isinstance(e, CollectiveTimeout) and e.missing == [1, 2] and "(seen by rank(s) 1, 3)" in str(e)
+    e = decide([trigger(1, 2)])
+    assert isinstance(e, ProtocolError) and (e.rank, e.peer) == (0, 3)
+
+
+def test_a_live_rank_is_never_the_one_that_died() -> None:
+    """A broken link to a rank whose own record came is a consequence (it dropped the link, or the network did)."""
+    table = [BASE, BASE._replace(status=V.BROKEN, peer=2), BASE._replace(status=V.ABORTED, peer=1), BASE]
+    with pytest.raises(TransportBroken, match="the link between rank 1 and rank 2 broke") as info:
+        V.verdict(coll(), table, V.ALARMS)
+    assert type(info.value) is TransportBroken
+
+
+def test_the_earliest_witness_names_the_death_on_every_rank() -> None:
+    """Rank 2 saw rank 0 die in seq 5; rank 1, a call later, in seq 6: every rank names seq 5 and rank 2."""
+    later = BASE._replace(seq=6)
+    for me in (1, 2, 3):
+        table = [absent(V.BROKEN if me == 3 else V.TIMEOUT), later._replace(status=V.BROKEN, peer=0),
+                 BASE._replace(status=V.BROKEN, peer=0), later]
+        c = Coll(create_world(N, timeout=1.0)[me], "ring allreduce", 6 if me != 2 else 5, 40, 1.0)
+        with pytest.raises(TransportBroken) as info:
+            V.verdict(c, table, V.ALARMS)
+        assert f"rank {me}: rank 0 died during ring allreduce (seq 5), seen by rank 2" in str(info.value)
+
+
+def test_a_stall_names_the_lowest_call_of_the_records() -> None:
+    table = [absent(V.TIMEOUT), BASE._replace(seq=6), BASE._replace(status=V.TIMEOUT, peer=0), BASE._replace(seq=6)]
+    c = Coll(create_world(N, timeout=1.0)[1], "ring allreduce", 6, 40, 1.0)
+    with pytest.raises(CollectiveTimeout, match=r"rank 1: rank\(s\) 0 stalled in ring allreduce \(seq 5\)") as info:
+        V.verdict(c, table, V.ALARMS)
+    assert info.value.missing == [0] and info.value.seq == 5
 
 
 def test_handshake_words() -> None:
     """The handshake's table is rank 0's: it saw the absent slots, and says so."""
     e = decide([{"slot": (2, absent(V.CLOSED))}], V.HANDSHAKE)
     assert str(e) == "rank 0: peer 2 closed the link before or during ring allreduce (seq 5) (seen by rank 0)"
-    e = decide([{"slot": (1, absent(V.PROTOCOL))}], V.HANDSHAKE)
-    assert type(e) is ProtocolError and str(e) == "rank 0: peer 1 sent rank 0 a malformed handshake in ring allreduce (seq 5)"
+    e = decide([{"slot": (1, absent(V.MALFORMED))}], V.HANDSHAKE)
+    assert type(e) is ProtocolError and str(e) == ("rank 0: rank 1 sent bytes that break the protocol during ring "
+                                                   "allreduce (seq 5), seen by rank 0")
     e = decide([{"slot": (3, absent(V.TIMEOUT))}], V.HANDSHAKE)
-    assert isinstance(e, CollectiveTimeout) and str(e).endswith("rank(s) 3 did not arrive (rank 0 waited for them)")
+    assert isinstance(e, CollectiveTimeout) and "rank(s) 3 stalled in ring allreduce (seq 5): rank 0 waited" in str(e)
     table = [BASE, BASE, absent(V.TIMEOUT), BASE]
     with pytest.raises(CollectiveTimeout, match="this rank arrived too late; rank 0 stopped waiting for rank"):
         V.verdict(coll(2), table, V.HANDSHAKE)

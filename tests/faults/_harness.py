@@ -29,8 +29,11 @@ OPS = {"ring": "ring allreduce", "star": "star allreduce", "recursive_doubling":
 def context() -> Any:
     """A forkserver context with numpy and gradcoll imported once, in the server."""
     ctx = multiprocessing.get_context("forkserver")
+    # The kernel modules too: init_process_group looks for the compiled ones, and importing numba in
+    # every child costs seconds on a loaded machine.
     ctx.set_forkserver_preload(["numpy", "gradcoll", "gradcoll.rendezvous", "gradcoll.transport.tcp",
-                                "gradcoll.transport.shm", "faults._ranks"])
+                                "gradcoll.transport.shm", "gradcoll.kernels.cython_backend",
+                                "gradcoll.kernels.numba_cpu", "tests.faults._ranks"])
     return ctx
 
 
@@ -43,7 +46,8 @@ class Outcome:
     fault: str
     victim: int
     timeout: float
-    t_fault: float | None = None  # monotonic time of the kill (None for a stall)
+    buffer: str = "mixed"
+    t_fault: float | None = None  # monotonic time of the kill or stop (None for a stall)
     t_enter: dict[int, float] = field(default_factory=dict)
     reports: dict[int, dict[str, Any]] = field(default_factory=dict)
     hung: list[int] = field(default_factory=list)  # ranks still alive at the end (killed by the harness)
@@ -57,11 +61,12 @@ class Outcome:
         return sorted(r for r in self.exitcodes if r != self.victim)
 
     def detection(self, rank: int) -> float | None:
-        """Seconds from the fault (kill, or the survivor's own call for a stall) to ``rank``'s exception."""
+        """Seconds from the fault to ``rank``'s exception: from the kill, or from the survivor's own call
+        for a stall or a stop (which it can only tell by its timeout)."""
         rep = self.reports.get(rank, {})
         if "t_exc" not in rep:
             return None
-        start = self.t_fault if self.t_fault is not None else rep["t_call"]
+        start = self.t_fault if self.t_fault is not None and self.fault.startswith("kill") else rep["t_call"]
         return float(rep["t_exc"] - start)
 
 
@@ -72,14 +77,19 @@ def _segments(pids: list[int]) -> list[str]:
 
 
 def run_collective_fault(transport: str, algorithm: str, fault: str, *, size: int = 4, victim: int = 2,
-                         timeout: float = 2.0, warm: int = 3, after: int = 3, kill_after: int = 2) -> Outcome:
-    """Run ``fault`` ("kill", "kill-mid" or "stall") on rank ``victim`` of a ``size``-rank group."""
+                         timeout: float = 2.0, buffer: str = "mixed", warm: int = 3, after: int = 3,
+                         kill_after: int = 2) -> Outcome:
+    """Run ``fault`` ("kill", "kill-mid", "stall" or "stop-mid") on rank ``victim`` of a ``size``-rank group.
+
+    ``buffer`` names the allreduce sizes (``_ranks.BUFFERS``: "mixed", "4KiB", "64MiB").
+    """
     ctx = context()
-    out = Outcome(transport, algorithm, fault, victim, timeout)
+    out = Outcome(transport, algorithm, fault, victim, timeout, buffer=buffer)
     with tempfile.TemporaryDirectory(prefix="gradcoll-faults-") as tmp:
         cfg = {"transport": transport, "algorithm": algorithm, "size": size, "victim": victim, "fault": fault,
-               "timeout": timeout, "boot_timeout": STARTUP_S, "warm": warm, "after": after,
-               "kill_after": kill_after, "store": os.path.join(tmp, "store")}
+               "timeout": timeout, "boot_timeout": STARTUP_S, "warm": warm, "after": after, "buffer": buffer,
+               "kill_after": kill_after, "store": os.path.join(tmp, "store"),
+               "trace_dir": os.environ.get("GRADCOLL_FAULT_TRACES")}
         pipes = [ctx.Pipe() for _ in range(size)]
         procs = [ctx.Process(target=rank_main, args=(cfg, r, pipes[r][1]), daemon=True) for r in range(size)]
         for p in procs:
@@ -91,6 +101,8 @@ def run_collective_fault(transport: str, algorithm: str, fault: str, *, size: in
         try:
             _drive(out, procs, conns, fault, victim, timeout, after)
         finally:
+            if fault == "stop-mid" and procs[victim].is_alive():
+                procs[victim].kill()  # a stopped process takes SIGKILL
             for r, p in enumerate(procs):
                 p.join(10.0)
                 if p.is_alive():
@@ -162,17 +174,27 @@ def _drive(out: Outcome, procs: list[Any], conns: dict[Any, int], fault: str, vi
             pass
 
 
-_NAMES_VICTIM = ("peer {v} ", "peer {v})", "peer {v}:", "peer(s) {v}", "rank(s) {v}", "peer {v},")
+#: What every survivor must raise, by fault: the exception class, and the words naming the root cause.
+ROOT = {"kill": ("TransportBroken", r"rank {v} died during (?P<op>[a-z -]+) \(seq (?P<seq>\d+)\), seen by rank \d"),
+        "stall": ("CollectiveTimeout", r"rank\(s\) {v} stalled in (?P<op>[a-z -]+) \(seq (?P<seq>\d+)\)")}
+ROOT["kill-mid"], ROOT["stop-mid"] = ROOT["kill"], ROOT["stall"]
 
 
 def problems(out: Outcome) -> list[str]:
-    """Everything that falls short of the contract; empty when the scenario passed."""
+    """Everything that falls short of the contract; empty when the scenario passed.
+
+    Every survivor raises within its timeout plus one second of the fault, and they all raise the same
+    exception class naming the same root cause (the victim, the operation and the seq it failed in);
+    the group is poisoned afterwards; nothing is lost or left behind.
+    """
     bad: list[str] = list(out.notes)
     v = out.victim
     if out.hung:
         bad.append(f"ranks {out.hung} hung and were killed by the harness")
     if out.leaked_segments:
         bad.append(f"shared-memory segments left behind: {out.leaked_segments}")
+    cls, pattern = ROOT[out.fault]
+    named: dict[int, tuple[str, str]] = {}
     for r in out.survivors:
         rep = out.reports.get(r)
         if rep is None:
@@ -184,26 +206,30 @@ def problems(out: Outcome) -> list[str]:
             bad.append(f"rank {r}: no error after {out.fault} of rank {v}")
             continue
         msg, det = rep["msg"], out.detection(r)
-        if out.fault == "stall":
-            if rep["exc"] != "CollectiveTimeout":
-                bad.append(f"rank {r}: stall gave {rep['exc']}: {msg}")
-            if v not in (rep["missing"] or []):
-                bad.append(f"rank {r}: CollectiveTimeout does not list rank {v} as missing: {rep['missing']}")
+        limit = out.timeout + 1.0
+        if det is None or det > limit:
+            bad.append(f"rank {r}: raised {det:.3f}s after the fault (limit {limit}s): {rep['exc']}: {msg}"
+                       if det is not None else f"rank {r}: no detection time")
+        if rep["exc"] != cls:
+            bad.append(f"rank {r}: {out.fault} of rank {v} gave {rep['exc']} (want {cls}): {msg}")
+        if cls == "CollectiveTimeout" and rep["missing"] != [v]:
+            bad.append(f"rank {r}: CollectiveTimeout.missing is {rep['missing']}, not [{v}]: {msg}")
+        if cls == "TransportBroken" and rep["peer"] != v:
+            bad.append(f"rank {r}: TransportBroken.peer is {rep['peer']}, not {v}: {msg}")
+        m = re.search(pattern.format(v=v), msg)
+        if m is None:
+            bad.append(f"rank {r}: the error does not name the root cause (rank {v}): {rep['exc']}: {msg}")
         else:
-            limit = out.timeout + 1.0
-            if det is None or det > limit:
-                bad.append(f"rank {r}: raised {det:.3f}s after the kill (limit {limit}s)" if det is not None
-                           else f"rank {r}: no detection time")
-        if not any(p.format(v=v) in msg for p in _NAMES_VICTIM) and rep["peer"] != v:
-            bad.append(f"rank {r}: the error does not name rank {v}: {rep['exc']}: {msg}")
-        if OPS[out.algorithm] not in msg:
-            bad.append(f"rank {r}: the error does not name the operation {OPS[out.algorithm]!r}: {msg}")
-        if not re.search(rf"\(seq {rep['seq']}\)", msg):
-            bad.append(f"rank {r}: the error does not name seq {rep['seq']}: {msg}")
+            named[r] = (m["op"], m["seq"])
+            want = OPS.get(out.algorithm)
+            if want is not None and m["op"] != want or want is None and m["op"] not in OPS.values():
+                bad.append(f"rank {r}: the error names the operation {m['op']!r}, not {want or 'an allreduce'}")
         if not rep["poisoned"]:
             bad.append(f"rank {r}: the group was not poisoned after the failure ({rep.get('after_poison')})")
         if rep["fds1"] > rep["fds0"]:
             bad.append(f"rank {r}: {rep['fds1'] - rep['fds0']} file descriptors more after close than before init")
+    if len(set(named.values())) > 1:
+        bad.append(f"the survivors name different calls: {named}")
     return bad
 
 

@@ -21,6 +21,9 @@ from typing import Any
 import numpy as np
 
 SIZES = (1, 7, 100, 70_001, 1000, 4099)  # elements; mixed, odd splits; call 3 (the first faulty one) pipelines
+#: The buffer sizes of the fault matrix (float64 elements): 4 KiB, and 64 MiB (a ring of 1 MiB segments, a
+#: star and a butterfly of whole buffers, still in flight when the fault strikes).
+BUFFERS = {"mixed": SIZES, "4KiB": (512,), "64MiB": (8 << 20,)}
 
 
 def fd_count() -> int:
@@ -38,16 +41,16 @@ def contribution(n: int, rank: int, i: int) -> np.ndarray:
     return np.arange(n, dtype=np.float64) * (rank + 1) + i
 
 
-def _arm_self_kill(transport: Any, after: int, conn: Any) -> None:
-    """SIGKILL this process at the ``after``-th transport call from now (inside a collective)."""
+def _arm_self_kill(transport: Any, after: int, conn: Any, sig: int = signal.SIGKILL) -> None:
+    """Send ``sig`` (SIGKILL, or SIGSTOP) to this process at the ``after``-th transport call from now."""
     calls = [0]
 
     def wrap(fn: Callable[..., Any]) -> Callable[..., Any]:
         def hooked(*a: Any, **k: Any) -> Any:
             calls[0] += 1
-            if calls[0] >= after:
+            if calls[0] == after:
                 conn.send(("killed", transport.rank, time.monotonic()))
-                os.kill(os.getpid(), signal.SIGKILL)
+                os.kill(os.getpid(), sig)
             return fn(*a, **k)
         return hooked
 
@@ -87,10 +90,15 @@ def rank_main(cfg: dict[str, Any], rank: int, conn: Any) -> None:
     g.timeout = cfg["timeout"]
     i = 0
 
+    sizes = BUFFERS[cfg.get("buffer", "mixed")]
+
+    t_call = [0.0]
+
     def one() -> None:
         nonlocal i
-        n = SIZES[i % len(SIZES)]
+        n = sizes[i % len(sizes)]
         buf = contribution(n, rank, i)
+        t_call[0] = time.monotonic()  # the collective's own time starts here, not with building its input
         g.allreduce(buf, op="sum", algorithm=algo)
         if np.array_equal(buf, expected_sum(n, size, i)):
             report["verified"] += 1
@@ -107,17 +115,22 @@ def rank_main(cfg: dict[str, Any], rank: int, conn: Any) -> None:
         g.close()
         conn.send(("released", rank, time.monotonic()))
         return
-    if rank == victim and fault == "kill-mid":
-        _arm_self_kill(g.transport, cfg["kill_after"], conn)
+    if rank == victim and fault in ("kill-mid", "stop-mid"):
+        _arm_self_kill(g.transport, cfg["kill_after"], conn, signal.SIGKILL if fault == "kill-mid" else signal.SIGSTOP)
     conn.send(("entering", rank, time.monotonic()))
     for _ in range(cfg["after"]):
-        t_call = time.monotonic()
         try:
             one()
         except BaseException as e:  # noqa: BLE001 - the point of the exercise
-            report.update(t_call=t_call, t_exc=time.monotonic(), exc=type(e).__name__, msg=str(e),
+            report.update(t_call=t_call[0], t_exc=time.monotonic(), exc=type(e).__name__, msg=str(e),
                           peer=getattr(e, "peer", None), missing=getattr(e, "missing", None),
                           seq=g.seq - 1, poisoned=False)
+            log = cfg.get("trace_dir")
+            if log:  # the whole chain, for a failure's post-mortem
+                import traceback
+
+                with open(os.path.join(log, f"rank{rank}.txt"), "w") as f:
+                    f.write("".join(traceback.format_exception(e)))
             try:
                 g.allreduce(np.zeros(3), algorithm=algo)
             except GroupPoisoned:

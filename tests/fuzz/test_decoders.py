@@ -165,3 +165,33 @@ def test_store_requests() -> None:
         assert len(kv.data) < 10_000
 
     run()
+
+
+# -- store values a rank parses (written by peers, or by anyone who reaches an open store) -------
+def test_store_values() -> None:
+    import socket
+
+    from gradcoll.group.rendezvous import _parse_join
+    from gradcoll.observe.control import _address as control_address
+    from gradcoll.transport import shm_segment
+    from gradcoll.transport.tcp_connect import _address as tcp_address
+
+    host = socket.gethostname()
+    parsers = [
+        (lambda b: tcp_address(b, "tcp/0"), b"127.0.0.1 5001 " + b"ab" * 16),
+        (lambda b: control_address(b, 0), b"127.0.0.1 5001"),
+        (lambda b: shm_segment._name(b, "shm/0-1", 1, 0), f"{host} gcshm-12-abcdefabcdef-0-1".encode()),
+        (lambda b: _parse_join(b, 1), b"4\nargument"),
+    ]
+    for parse, valid in parsers:
+        assert parse(valid)  # the valid value decodes
+
+        @FUZZ
+        @given(mutations(valid))
+        def run(raw: bytes) -> None:
+            try:
+                parse(raw)
+            except ProtocolError:
+                pass
+
+        run()

@@ -171,6 +171,28 @@ def test_token_is_required_when_configured(tmp_path):
         srv.stop()
 
 
+def test_the_groups_secret_authenticates_the_sync_service(tmp_path, monkeypatch):
+    """With GRADCOLL_SECRET (or secret=) and no token, both ends use the token derived from the secret."""
+    monkeypatch.setenv("GRADCOLL_SECRET", "group-secret")
+    srv = ServerThread(GradientSyncService(FileBlockStore(tmp_path)))  # the secret from the environment
+    srv.start()
+    try:
+
+        async def main():
+            for secret in ("other", None):
+                if secret is None:
+                    monkeypatch.delenv("GRADCOLL_SECRET")
+                async with GradientSyncClient(srv.address, secret=secret) as client:
+                    with pytest.raises(AuthenticationError):
+                        await client.collect(_req("s", [1.0]))
+            async with GradientSyncClient(srv.address, secret=b"group-secret") as client:
+                return await client.collect(_req("s", [1.0]))
+
+        assert asyncio.run(main()).aggregate.tolist() == [1.0]
+    finally:
+        srv.stop()
+
+
 def test_server_binds_loopback_by_default(server):
     assert server.address.startswith("127.0.0.1:")
 

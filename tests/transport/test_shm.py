@@ -80,9 +80,27 @@ def test_stale_segments_of_dead_creators_are_cleaned(shm_dir) -> None:
     assert sorted(os.listdir(shm_dir)) == sorted([alive, "unrelated"])
 
 
+def test_a_survivors_failed_startup_removes_a_dead_peers_segments(shm_dir) -> None:
+    """A peer killed during startup leaves the segments it created: the survivor's error path removes them."""
+    proc = multiprocessing.get_context("spawn").Process(target=_exit_at_once)
+    proc.start()
+    proc.join(30)
+    left = f"{shm.PREFIX}{proc.pid}-abcdefabcdef-0-2"  # rank 0 created it for rank 2, then died
+
+    class Store(HashStore):
+        def get(self, key: str, timeout: float | None = None) -> bytes:
+            open(os.path.join(shm_dir, left), "wb").close()  # while rank 1 is starting: its own cleanup ran
+            return super().get(key, timeout)
+
+    store = Store()
+    with pytest.raises(CollectiveTimeout):  # rank 1 waits for rank 0's segment name, which never comes
+        shm.create(store, 1, 3, timeout=0.3, shm_dir=shm_dir)
+    assert _segments(shm_dir) == []
+
+
 def test_refuses_ranks_on_other_hosts(shm_dir) -> None:
     store = HashStore()
-    store.set("shm/0-1", b"elsewhere gcshm-1-x-0-1")
+    store.set("shm/0-1", b"elsewhere gcshm-1-abcdefabcdef-0-1")
     with pytest.raises(UsageError, match="one host"):
         shm.create(store, 1, 2, timeout=5, shm_dir=shm_dir)
 
@@ -136,7 +154,7 @@ def test_peer_states_reach_the_waiting_side() -> None:
     try:
         d.isend(0, np.zeros(10_000, np.uint8))  # a partial message, then close
         d.close()
-        with pytest.raises(TransportBroken, match="middle of a message"):
+        with pytest.raises(TransportClosed, match="middle of a message"):
             c.recv(1, np.empty(10_000, np.uint8), timeout=5)
     finally:
         c.close()

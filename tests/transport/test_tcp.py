@@ -15,7 +15,7 @@ import time
 import numpy as np
 import pytest
 
-from gradcoll.errors import CollectiveMismatch, CollectiveTimeout, TransportBroken, TransportClosed, UsageError
+from gradcoll.errors import CollectiveMismatch, CollectiveTimeout, ProtocolError, TransportBroken, TransportClosed, UsageError
 from gradcoll.store import HashStore
 from gradcoll.testing import run_ranks, threaded_group
 from gradcoll.transport import frame as fr
@@ -151,7 +151,7 @@ def test_a_send_withdrawn_before_its_first_byte_gives_its_seq_back(raw, withdraw
     [
         (fr.pack_header(0, 0, 100) + b"x" * 10, TransportBroken, "middle of a message"),
         (b"", TransportBroken, "without an orderly close"),
-        (struct.pack("<B3xIQQ", 9, 0, 0, 0), TransportBroken, "broke the protocol"),
+        (struct.pack("<B3xIQQ", 9, 0, 0, 0), ProtocolError, "broke the protocol"),
         (fr.pack_header(0, 0, 0, fr.CLOSE), TransportClosed, "closed the link"),
         (fr.pack_header(0, fr.ABORT_TIMEOUT, 0, fr.ABORT), TransportBroken, "after a timeout on its side"),
         (fr.pack_header(5, 0, 100), CollectiveMismatch, "expected seq 0 tag 0 (100 bytes), but peer 1 sent seq 5"),
@@ -166,6 +166,18 @@ def test_peer_faults(raw, wire: bytes, error: type, words: str) -> None:
     assert words in str(info.value)
     with pytest.raises((TransportBroken, TransportClosed)):  # the link stays unusable
         t.recv(1, bytearray(1), timeout=5)
+
+
+@pytest.mark.parametrize("claimed", [1 << 30, 1 << 40])
+def test_a_header_claiming_a_huge_stray_frame_is_refused_unread(raw, claimed: int) -> None:
+    """A lenient receive takes a stray frame in whole only up to ``stray_limit``: the peer's length sizes nothing."""
+    t, peer = raw
+    lenient = fr.LENIENT_TAG + 5
+    peer.sendall(fr.pack_header(0, lenient + 1, claimed))
+    with pytest.raises(ProtocolError, match=f"peer 1 sent a frame of {claimed} bytes .* refused unread") as info:
+        t.recv(1, bytearray(100), tag=lenient, timeout=5)
+    assert (info.value.rank, info.value.peer) == (0, 1)
+    assert peer.recv(fr.HEADER_SIZE)[0] == fr.ABORT  # the peer is told, so it fails fast too
 
 
 def test_reset_by_peer_is_broken(raw) -> None:
