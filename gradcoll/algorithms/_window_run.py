@@ -33,13 +33,15 @@ from typing import Any, NoReturn
 
 import numpy as np
 
-from .._util import Deadline
 from ..errors import CollectiveMismatch, CollectiveTimeout, TransportBroken, TransportClosed, UsageError
 from ..kernels import lowp_reference
 from ..transport.base import Transport, Window
+from ..transport.frame import FrameMismatch
+from . import _witness
+from ._alarm import _Exchange, experience
 from ._common import Coll
-from ._handshake import Record, absent, pack, unpack, with_status
-from ._verdict import ALARMS, BROKEN, CLOSED, LINK_ERRORS, NONFINITE, PROTOCOL, TIMEOUT, verdict
+from ._handshake import Record, pack, unpack, with_status
+from ._verdict import ALARMS, BROKEN, CLOSED, NONFINITE, OK, PROTOCOL, verdict
 from ._window_plan import BF16, FP16, Engine, Shape, records
 from ._window_py import S_MISMATCH, S_MORE, S_NONFINITE, PyPlan
 from .tags import ALARM
@@ -129,6 +131,7 @@ def run(t: Transport, win: Window, key: tuple[Any, ...], build: Callable[[], tup
     t0 = st.tick
     st.tick += eng.pieces
     limit = t.timeout if timeout is None else timeout
+    started = time.monotonic()
     eng.start(buf, out, t0, seq, time.monotonic() + (1e9 if limit is None else limit))
     per = max(shape.seg * shape.n if shape.two else shape.piece, 1) * shape.witem
     batch = max(1, BATCH_BYTES // per)
@@ -140,15 +143,19 @@ def run(t: Transport, win: Window, key: tuple[Any, ...], build: Callable[[], tup
         if status != S_MORE:
             break
     if status:
-        failed(t, win, name, seq, limit, buf, (status, culprit, k, phase, t0, entry))
+        failed(t, win, name, seq, limit, buf, (status, culprit, k, phase, t0, entry), started)
 
 
 def failed(t: Transport, win: Window, name: str, seq: int, limit: float | None, buf: np.ndarray,
-           how: tuple[Any, ...]) -> NoReturn:
-    """``fail`` for an engine that stopped as ``how`` says: ``(status, culprit, piece, phase, t0, entry)``."""
+           how: tuple[Any, ...], started: float) -> NoReturn:
+    """``fail`` for an engine that stopped as ``how`` says: ``(status, culprit, piece, phase, t0, entry)``.
+
+    ``started`` is when the call began (``time.monotonic()``): the error path's grace counts from it.
+    """
     status, culprit, k, phase, t0, (shape, eng, desc) = how
     coll = Coll(t, name, seq, buf.nbytes, limit)
     coll.begin(3 if shape.two else 2)
+    coll.started = started
     coll.step = phase
     coll.desc = unpack(desc, 1)[0]._replace(seq=seq).desc()
     fail(coll, win, shape, eng, t0, status, culprit, k, buf)
@@ -186,64 +193,52 @@ def fail(coll: Coll, win: Window, shape: Shape, eng: Engine, t0: int, status: in
 
 
 def _own(coll: Coll, exc: BaseException | None) -> Record:
-    from ._guard import _experience  # the record of what this rank met: the allreduces' error path decides it
-
-    status, peer = ((0, -1, 0.0), -1) if exc is None else _experience(exc)
+    """The record of what this rank met (the allreduces' error path decides it)."""
+    status, peer = ((OK, -1, 0.0), -1) if exc is None else experience(exc)
     return with_status(coll.desc, status, peer)
 
 
-def _alarms(coll: Coll, win: Window, exc: BaseException | None) -> NoReturn:
-    """Raise the alarm with this rank's record, collect everyone's until the grace, raise the verdict.
+class _WindowExchange(_Exchange):
+    """The allreduces' error-path exchange, with the window as one more channel.
 
-    Records come through the window (the rank's alarm) or, from a rank that
-    is running a collective over the links instead (another algorithm: a
-    mismatch), over the links as the allreduces' error path sends them
-    (``_guard``); so this rank sends its record both ways.
+    Records come through the window (a rank's alarm) as well as over the links
+    and the witness channel, as the allreduces' error path sends them (a rank
+    running a collective over the links instead, another algorithm, meets it
+    there); a rank whose process died or whose window closed is settled by the
+    window's own state.
     """
-    from ._guard import _parse, _post, _take
 
-    me, n, t = coll.rank, coll.size, coll.t
+    def __init__(self, coll: Coll, own: Record, win: Window) -> None:
+        super().__init__(coll, own)
+        self.win = win
+
+    def _read_board(self) -> None:
+        super()._read_board()
+        for r in range(self.n):
+            if r == self.me or self.records[r] is not None:
+                continue
+            raw = self.win.alarm_record(r)
+            if raw is not None:
+                self.take(r, bytes(raw))
+            elif (state := self.win.state(r)) in ("dead", "closed"):
+                self.seen.setdefault(r, BROKEN if state == "dead" else CLOSED)
+
+
+def _alarms(coll: Coll, win: Window, exc: BaseException | None) -> NoReturn:
+    """Raise the alarm with this rank's record, collect everyone's until the grace, raise the verdict."""
+    me, t = coll.rank, coll.t
     if win.closed or t.closed:
         raise exc or TransportClosed(f"rank {me}: this rank's transport was closed during {coll.where()}",
                                      rank=me, peer=me)
     own = _own(coll, exc)
-    mine = bytes(pack([own]))
-    win.alarm(mine)
-    grace = Deadline(min(5.0, max(1.0, coll.timeout or 1.0)))
-    table: list[Record | None] = [None] * n
-    table[me] = own
-    sends = []
-    for p in range(n):
-        if p != me:
-            try:
-                sends.append(t.isend(p, mine, ALARM))
-            except LINK_ERRORS:
-                pass
-    posted = {p: _post(t, p, table) for p in range(n) if p != me}
-    while True:
-        for r in [r for r in range(n) if table[r] is None]:
-            raw = win.alarm_record(r)
-            req, buf = posted.get(r, (None, bytearray()))
-            if raw is not None:
-                table[r] = unpack(raw, 1)[0]
-            elif req is not None and req.test():
-                if _take(req, r, table, grace) and table[r] is None:
-                    table[r] = _parse(bytes(buf))
-                elif table[r] is None:  # a data frame of its collective went by: its record comes next
-                    posted[r] = _post(t, r, table)
-            if table[r] is None and (state := win.state(r)) in ("dead", "closed"):
-                table[r] = absent(BROKEN if state == "dead" else CLOSED)
-        missing = [r for r in range(n) if table[r] is None]
-        if not missing or grace.expired():
-            break
-        win.wait_alarms(missing[:1], min(5e-3, grace.remaining() or 5e-3))
-    for req, _ in posted.values():
-        if req is not None:
-            req.cancel()
-    for req in sends:
-        if not req.test():
-            req.cancel()
-    verdict(coll, [r if r is not None else absent(TIMEOUT) for r in table], ALARMS, own=exc)
+    win.alarm(bytes(pack([own])))  # wakes every waiter of every rank
+    _witness.failing(t)
+    ex = _WindowExchange(coll, own, win)
+    if isinstance(exc, FrameMismatch) and exc.tag == ALARM:
+        ex.take(exc.peer, exc.payload)
+    if coll.size > 1:
+        ex.run()
+    verdict(coll, ex.table(), ALARMS, own=exc)
     raise AssertionError("the verdict of a failed collective always raises")  # pragma: no cover
 
 

@@ -34,6 +34,7 @@ between the schedules is the cost model's (``gradcoll.model.costmodel``,
 from __future__ import annotations
 
 import functools
+import time
 from typing import Any
 
 import numpy as np
@@ -117,11 +118,12 @@ def _hot(t: Transport, buf: np.ndarray, op: str, check: bool, seq: int, timeout:
     if win is None or runner is None or code is None or not hasattr(runner, "fast"):
         return False
     limit = t.timeout if timeout is None else timeout
+    started = time.monotonic()
     how = runner.allreduce(buf, code, check, seq, limit, variant)
     if how is None:
         return True
     if how is not NotImplemented:
-        failed(t, win, "direct allreduce" if variant == PLAIN else _name(variant), seq, limit, buf, how)
+        failed(t, win, "direct allreduce" if variant == PLAIN else _name(variant), seq, limit, buf, how, started)
     return False
 
 

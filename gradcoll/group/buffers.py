@@ -11,14 +11,16 @@ wrong memory); so is a read-only buffer where the result must be written.
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
 import numpy as np
 
+from ..algorithms._common import REDUCE_DTYPES
 from ..errors import UsageError
 
-__all__ = ["Buffer", "as_buffer", "is_device_array", "tensor_wire"]
+__all__ = ["Buffer", "as_buffer", "is_device_array", "is_half", "tensor_wire", "writable_array"]
 
 
 @dataclass(frozen=True)
@@ -119,3 +121,31 @@ def as_buffer(obj: Any, *, writable: bool = True, what: str = "buf") -> Buffer:
     if writable and not arr.flags.writeable:
         raise UsageError(f"{what}: {_describe(obj)} is read-only; collectives write the result into it")
     return Buffer(arr, False, source)
+
+
+def writable_array(buf: Any, *, reduce: bool, what: str = "buf") -> tuple[np.ndarray, Callable[[], None]]:
+    """A C-contiguous array to run on, and a function that copies the result back into ``buf``.
+
+    NumPy arrays that are strided views are copied and written back (documented);
+    every other object goes through [`gradcoll.group.buffers.as_buffer`][gradcoll.group.buffers.as_buffer], which views
+    it without a copy or refuses it with an error naming it.
+    """
+    if not isinstance(buf, np.ndarray):
+        if is_device_array(buf):
+            raise UsageError(f"{what}: device arrays are reduced by allreduce only (see docs: GPU buffers)")
+        buf = as_buffer(buf, writable=True, what=what).array
+    if not buf.flags.writeable:
+        raise UsageError(f"{what} is read-only; collectives work in place")
+    if reduce and buf.dtype not in REDUCE_DTYPES:
+        raise UsageError(f"{what} has dtype {buf.dtype}; reductions take float16, float32 or float64")
+    if buf.flags.c_contiguous:
+        return buf, lambda: None
+    work = np.ascontiguousarray(buf)  # documented copy for strided views
+    return work, lambda: np.copyto(buf, work)
+
+
+def is_half(buf: Any, op: str) -> bool:
+    """True for a float16/bfloat16 NumPy buffer summed or averaged: it travels as itself, accumulated in float32."""
+    if not isinstance(buf, np.ndarray) or op not in ("mean", "sum") or buf.dtype.itemsize != 2:
+        return False  # the itemsize first: ``dtype.name`` costs microseconds on every call
+    return bool(buf.dtype == np.float16 or buf.dtype.name == "bfloat16")

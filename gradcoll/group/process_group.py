@@ -18,44 +18,16 @@ from ..algorithms import (
     select_allreduce,
     wake_collective,
 )
-from ..algorithms._common import REDUCE_DTYPES, Workspace, check_op
+from ..algorithms._common import Workspace, check_op
 from ..algorithms.ring import SEGMENT_BYTES
 from ..errors import UsageError
 from ..observe.diagnosis import ControlChannel, Diagnostics
 from ..observe.trace import GroupStats, Recorder
 from ..transport.base import Transport
-from .buffers import as_buffer, is_device_array, tensor_wire
+from .buffers import as_buffer, is_device_array, is_half, tensor_wire, writable_array
 from .work import Executor, Work
 
 __all__ = ["ProcessGroup", "Work", "Membership"]
-
-
-def _writable(buf: Any, *, reduce: bool, what: str = "buf") -> tuple[np.ndarray, Callable[[], None]]:
-    """A C-contiguous array to run on, and a function that copies the result back into ``buf``.
-
-    NumPy arrays that are strided views are copied and written back (documented);
-    every other object goes through [`gradcoll.group.buffers.as_buffer`][gradcoll.group.buffers.as_buffer], which views
-    it without a copy or refuses it with an error naming it.
-    """
-    if not isinstance(buf, np.ndarray):
-        if is_device_array(buf):
-            raise UsageError(f"{what}: device arrays are reduced by allreduce only (see docs: GPU buffers)")
-        buf = as_buffer(buf, writable=True, what=what).array
-    if not buf.flags.writeable:
-        raise UsageError(f"{what} is read-only; collectives work in place")
-    if reduce and buf.dtype not in REDUCE_DTYPES:
-        raise UsageError(f"{what} has dtype {buf.dtype}; reductions take float16, float32 or float64")
-    if buf.flags.c_contiguous:
-        return buf, lambda: None
-    work = np.ascontiguousarray(buf)  # documented copy for strided views
-    return work, lambda: np.copyto(buf, work)
-
-
-def _half(buf: Any, op: str) -> bool:
-    """True for a float16/bfloat16 NumPy buffer summed or averaged: it travels as itself, accumulated in float32."""
-    if not isinstance(buf, np.ndarray) or op not in ("mean", "sum") or buf.dtype.itemsize != 2:
-        return False  # the itemsize first: ``dtype.name`` costs microseconds on every call
-    return bool(buf.dtype == np.float16 or buf.dtype.name == "bfloat16")
 
 
 class ProcessGroup:
@@ -147,12 +119,12 @@ class ProcessGroup:
         order (docs/algorithms/deterministic.md).
         """
         wire_dtype = tensor_wire(buf, op, wire_dtype)  # torch float16/bfloat16 tensors: accumulated in float32
-        if wire_dtype is not None or deterministic or _half(buf, op):
+        if wire_dtype is not None or deterministic or is_half(buf, op):
             return self._precise_allreduce(buf, op, algorithm, check_finite, async_op, timeout, wire_dtype,
                                            deterministic)
         if is_device_array(buf):
             return self._device_allreduce(buf, op, check_finite, async_op, timeout)
-        work, writeback = _writable(buf, reduce=True)
+        work, writeback = writable_array(buf, reduce=True)
         check_op(op)
         algo = self._pick(algorithm, work.nbytes)
         fn = ALLREDUCE[algo]
@@ -180,7 +152,7 @@ class ProcessGroup:
             raise UsageError("deterministic=True and wire_dtype= cannot be combined")
         if op not in ("mean", "sum"):
             raise UsageError(f"wire_dtype= and deterministic= take op 'mean' or 'sum', got {op!r}")
-        work, writeback = _writable(buf, reduce=False)
+        work, writeback = writable_array(buf, reduce=False)
         algo = self._pick(algorithm, work.nbytes)
         limit = self._timeout(timeout)
         fn: Callable[..., Any] = deterministic_allreduce
@@ -238,7 +210,7 @@ class ProcessGroup:
         """Allreduce several arrays with one collective per dtype (packed into a fusion buffer); returns the list."""
         arrays = list(arrays)
         for i, a in enumerate(arrays):
-            _writable(a, reduce=True, what=f"arrays[{i}]")
+            writable_array(a, reduce=True, what=f"arrays[{i}]")
         check_op(op)
         groups: dict[np.dtype, list[np.ndarray]] = {}
         for a in arrays:
@@ -268,7 +240,7 @@ class ProcessGroup:
     def broadcast(self, buf: np.ndarray, root: int = 0, async_op: bool = False,
                   timeout: float | None = None) -> Any:
         """Copy ``root``'s ``buf`` into ``buf`` on every rank; returns ``buf`` (or a Work)."""
-        work, writeback = _writable(buf, reduce=False)
+        work, writeback = writable_array(buf, reduce=False)
         if not isinstance(root, (int, np.integer)) or not 0 <= root < self.size:
             raise UsageError(f"rank {self.rank}: broadcast root {root!r} out of range for world size {self.size}")
         limit = self._timeout(timeout)
@@ -291,7 +263,7 @@ class ProcessGroup:
             out = np.empty(shape, buf.dtype)
         elif not isinstance(out, np.ndarray) or out.shape != shape or out.dtype != buf.dtype:
             raise UsageError(f"rank {self.rank}: allgather out must be a {buf.dtype} array of shape {shape}")
-        dst, writeback = _writable(out, reduce=False, what="out")
+        dst, writeback = writable_array(out, reduce=False, what="out")
         limit = self._timeout(timeout)
 
         def job(seq: int) -> np.ndarray:
@@ -308,7 +280,7 @@ class ProcessGroup:
         Chunk ``r`` of the near-equal split (the first ``len % size`` chunks one
         element longer) ends on rank ``r``; the rest of ``buf`` is scratch.
         """
-        work, _ = _writable(buf, reduce=True)
+        work, _ = writable_array(buf, reduce=True)
         if work is not buf:
             raise UsageError("reduce_scatter needs a C-contiguous buffer (it returns a view of it)")
         check_op(op)
