@@ -29,7 +29,7 @@ from .errors import (
     TransportError,
     UsageError,
 )
-from .group import ProcessGroup, Work, init_process_group
+from .group import NonMember, ProcessGroup, Work, init_process_group, new_group
 from .optimizer import (
     AggregatedGradient,
     AggregationStrategy,
@@ -65,6 +65,8 @@ __all__ = [
     "ShrinkFailed",
     "BackendUnavailable",
     "init_process_group",
+    "new_group",
+    "NonMember",
     "Store",
     "HashStore",
     "PrefixStore",
