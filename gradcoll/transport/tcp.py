@@ -17,6 +17,16 @@ waits for the left neighbour, and two peers exchanging 64 MiB at once never
 deadlock. Receives land directly in the caller's buffer (``recvmsg_into`` /
 ``recv_into``, no staging copy).
 
+Dead links: every socket has TCP keepalive and ``TCP_USER_TIMEOUT`` set
+(``set_liveness``), so a peer that falls silent without closing (a pulled
+cable, a host that lost power, a partition: no FIN, no RST) is found by the
+kernel: an idle link is probed every ``heartbeat_s`` seconds, and a link
+whose probes or data go unanswered for ``link_timeout`` seconds is dropped.
+Its pending and later operations raise TransportBroken saying the peer is
+unreachable, within ``link_timeout + heartbeat_s`` of the loss, however long
+the collective's own timeout. The kernel answers the probes, so a peer busy
+computing (or stopped in a debugger) is never taken for dead.
+
 Queues, ordering, timeouts and the one-driver-at-a-time waiting live in
 ``FramedTransport`` (``gradcoll.transport._engine``); a socketpair wakes the
 driver when another thread queues work. Frame codec:
@@ -25,22 +35,58 @@ driver when another thread queues work. Frame codec:
 
 from __future__ import annotations
 
+import errno
+import math
 import select
 import socket
 import time
 from typing import cast
 
 from .._util import Deadline
-from ..errors import ProtocolError, TransportBroken, TransportClosed
+from ..errors import ProtocolError, TransportBroken, TransportClosed, UsageError
 from ..store import Store
 from . import frame as fr
 from ._engine import FramedTransport, Link, Op
 from .tcp_connect import SOCKBUF, connect
 
-__all__ = ["TcpTransport", "create", "SOCKBUF", "SPIN_S"]
+__all__ = ["TcpTransport", "create", "set_liveness", "SOCKBUF", "SPIN_S", "HEARTBEAT_S", "LINK_TIMEOUT_S"]
 
 SPIN_S = 50e-6  # busy-poll this long before blocking in poll()
+#: Default seconds between keepalive probes of an idle link (and of silence before the first).
+HEARTBEAT_S = 5.0
+#: Default seconds a link may go unanswered (probes or data) before it is dropped as unreachable.
+LINK_TIMEOUT_S = 30.0
 _HDR = fr.HEADER_SIZE
+#: Errors of a link whose peer stopped answering (keepalive or user timeout, no route): the peer is unreachable.
+_SILENT = (errno.ETIMEDOUT, errno.EHOSTUNREACH, errno.ENETUNREACH, errno.EHOSTDOWN)
+
+
+def set_liveness(sock: socket.socket, heartbeat_s: float = HEARTBEAT_S, link_timeout: float = LINK_TIMEOUT_S) -> None:
+    """Probe ``sock`` when idle every ``heartbeat_s``; drop it after ``link_timeout`` s without an answer (Linux).
+
+    Keepalive probes find a silent peer on an idle link; ``TCP_USER_TIMEOUT``
+    bounds how long sent data (or probes) may stay unacknowledged. Where the
+    options do not exist (or ``sock`` is not a TCP socket), only the
+    collectives' timeouts apply.
+    """
+    if sock.family not in (socket.AF_INET, socket.AF_INET6):
+        return
+    beat = max(1, int(round(heartbeat_s)))  # the kernel counts whole seconds
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_KEEPALIVE, 1)
+    for name, value in (("TCP_KEEPIDLE", beat), ("TCP_KEEPINTVL", beat),
+                        ("TCP_KEEPCNT", max(1, math.ceil(link_timeout / beat)))):
+        if hasattr(socket, name):
+            sock.setsockopt(socket.IPPROTO_TCP, getattr(socket, name), value)
+    if hasattr(socket, "TCP_USER_TIMEOUT"):
+        sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_USER_TIMEOUT, max(1, int(link_timeout * 1000)))
+
+
+def _broke(link: "_SockLink", e: OSError, link_timeout: float, heartbeat_s: float) -> str:
+    """The reason a link failed with ``e``: unreachable (silence) or broken."""
+    if e.errno in _SILENT:
+        return (f"peer {link.peer} is unreachable: the link gave no sign of life for {link_timeout:g}s "
+                f"(probed every {heartbeat_s:g}s; {e.strerror or e})")
+    return f"link broke ({e.strerror or e})"
 
 
 class _SockLink(Link):
@@ -86,9 +132,14 @@ class TcpTransport(FramedTransport):
 
     name = "tcp"
 
-    def __init__(self, rank: int, size: int, socks: dict[int, socket.socket], timeout: float = 300.0) -> None:
+    def __init__(self, rank: int, size: int, socks: dict[int, socket.socket], timeout: float = 300.0, *,
+                 heartbeat_s: float = HEARTBEAT_S, link_timeout: float = LINK_TIMEOUT_S) -> None:
+        if not heartbeat_s > 0 or not link_timeout > 0:
+            raise UsageError(f"heartbeat_s and link_timeout must be positive, got {heartbeat_s!r}, {link_timeout!r}")
+        self.heartbeat_s, self.link_timeout = float(heartbeat_s), float(link_timeout)
         for s in socks.values():
             s.setblocking(False)
+            set_liveness(s, heartbeat_s, link_timeout)
         super().__init__(rank, size, {p: _SockLink(p, s) for p, s in socks.items()}, timeout)
         self._peers: list[_SockLink] = [cast(_SockLink, ln) for ln in self._links if ln is not None]
         self._poll = select.poll()
@@ -176,7 +227,7 @@ class TcpTransport(FramedTransport):
             except (BlockingIOError, InterruptedError):
                 return finished
             except OSError as e:
-                self._fail(link, TransportBroken, f"link broke ({e.strerror or e})", e)
+                self._fail(link, TransportBroken, _broke(link, e, self.link_timeout, self.heartbeat_s), e)
                 return True
             if n == 0:
                 where = "in the middle of a message" if op.off else "without an orderly close (process died?)"
@@ -204,7 +255,7 @@ class TcpTransport(FramedTransport):
         # EPIPE/ECONNRESET also follow an orderly close; if the peer's CLOSE
         # frame is next in the stream, report "closed", not "broken".
         cls: type[TransportBroken | TransportClosed] = TransportBroken
-        reason = f"link broke ({e.strerror or e})"
+        reason = _broke(link, e, self.link_timeout, self.heartbeat_s)
         if not (link.recvq and link.recvq[0].off):
             try:
                 head = link.sock.recv(_HDR, socket.MSG_PEEK | socket.MSG_DONTWAIT)
@@ -275,6 +326,8 @@ def create(
     host: str = "127.0.0.1",
     sockbuf: int = SOCKBUF,
     key_prefix: str = "tcp",
+    heartbeat_s: float = HEARTBEAT_S,
+    link_timeout: float = LINK_TIMEOUT_S,
 ) -> TcpTransport:
     """Connect ``rank`` to every other rank over TCP, exchanging addresses through ``store``.
 
@@ -284,7 +337,13 @@ def create(
     (``gradcoll.transport.tcp_connect``). Use a fresh
     [`PrefixStore`][gradcoll.store.PrefixStore] per group so stale addresses of an
     earlier group are never read. ``timeout`` bounds the whole bootstrap and
-    becomes the transport's default timeout.
+    becomes the transport's default timeout. ``heartbeat_s`` and
+    ``link_timeout`` say how fast a silent peer is found (module docstring).
     """
     socks = connect(store, rank, size, Deadline(timeout), host=host, sockbuf=sockbuf, key_prefix=key_prefix)
-    return TcpTransport(rank, size, socks, timeout=timeout)
+    try:
+        return TcpTransport(rank, size, socks, timeout=timeout, heartbeat_s=heartbeat_s, link_timeout=link_timeout)
+    except BaseException:
+        for s in socks.values():
+            s.close()
+        raise
