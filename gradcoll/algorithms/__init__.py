@@ -100,10 +100,10 @@ def auto_thresholds(size: int, transport: str | None = None,
     lo, hi = SEARCH_BYTES
     if layout is not None and sum(layout) == size and hierarchy.eligible(layout):
         local = models.get(LOCAL_TRANSPORT, models[DEFAULT_TRANSPORT])[0]
-        cross = Node(len(layout), cores) if node is not None and cores is not None else None
+        up, cross = hierarchy.node_split(layout, node)
 
         def choose(nbytes: int) -> str:
-            return hierarchy.pick(layout, nbytes, local, model, node=node, node_up=node, node_cross=cross)
+            return hierarchy.pick(layout, nbytes, local, model, node=node, node_up=up, node_cross=cross)
 
         return ((0, choose(lo)),) + tuple((at, after) for at, _, after in hierarchy.crossovers(choose, lo, hi))
     out = [(0, best(size, lo, model, node=node))]

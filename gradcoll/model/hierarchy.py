@@ -14,11 +14,26 @@ So ``two_level(S) = star(L, S; local) + min(ring, rd)(H, S; net)``.
 [`two_level_time`][gradcoll.model.hierarchy.two_level_time] computes it
 with the closed forms of ``gradcoll.model.costmodel``; ``node_up`` and
 ``node_cross`` are the ``Node`` (ranks sharing cores) each step runs on.
-The flat algorithms on such a group are the closed forms of
-``costmodel.predict`` under the network model: every step of the ring (and
-the star's root) waits for a link between hosts. `gradcoll.algorithms.simulate`
-runs the real code over a simulated network with both models
-(``hosts=``) and checks these sums (tests/model/test_hierarchy.py).
+A flat algorithm on a group over one transport pays that transport on every
+link: ``algorithm="auto"`` predicts it with ``costmodel.predict`` under the
+transport's model, as on one host. On a cluster whose links inside a host
+are faster than between hosts, [`flat_time`][gradcoll.model.hierarchy.flat_time]
+gives the flat ring and recursive doubling with ranks placed host by host:
+
+* recursive doubling: its first ``log2 L`` rounds pair ranks of one host,
+  the other ``log2 H`` cross: ``rd(L, S; local) + rd(H, S; net)`` (``n`` a
+  power of two);
+* the ring: a value travels ``2 (n - 1)`` hops, about ``2 (n - 1) / n`` times
+  round the ring, so its latency is that many times the sum over the links
+  (``H`` between hosts, ``n - H`` inside), plus the reductions; unless a
+  rank sending across, ``2 (n - 1)`` times ``beta S / n`` of network, is
+  slower (then that, plus the reductions): the larger of the two. Within
+  about 10% of the simulation (an upper bound for large buffers, where the
+  simulated ring hides part of the reduction behind the link).
+
+`gradcoll.algorithms.simulate` runs the real code over a simulated network
+with both models (``hosts=``, ``local=``) and checks these closed forms
+(tests/model/test_hierarchy.py).
 
 [`crossovers`][gradcoll.model.hierarchy.crossovers] lists where the fastest
 of the flat algorithms and the two-level one changes: ``algorithm="auto"``
@@ -31,9 +46,10 @@ from __future__ import annotations
 import math
 from collections.abc import Callable, Sequence
 
+from ..errors import UsageError
 from .costmodel import ALGORITHMS, AlphaBeta, Node, best, predict
 
-__all__ = ["two_level_time", "step_times", "pick", "crossovers", "eligible", "CROSS"]
+__all__ = ["two_level_time", "step_times", "flat_time", "pick", "crossovers", "eligible", "node_split", "CROSS"]
 
 #: The algorithms the leaders may run between hosts.
 CROSS = ("ring", "recursive_doubling")
@@ -42,6 +58,19 @@ CROSS = ("ring", "recursive_doubling")
 def eligible(layout: Sequence[int]) -> bool:
     """True when the two-level allreduce differs from a flat one: several hosts, several ranks on one."""
     return len(layout) > 1 and max(layout) > 1
+
+
+def node_split(layout: Sequence[int], node: Node | None) -> tuple[Node | None, Node | None]:
+    """The nodes of the two-level steps when every rank of ``layout`` shares ``node``'s cores (one machine).
+
+    Inside the hosts, the ``H`` hosts' steps run at once, so each host's ``L``
+    ranks get ``L / n`` of the cores; between the hosts, the ``H`` leaders share
+    them all. ``None`` (a core per rank) stays None.
+    """
+    if node is None:
+        return None, None
+    n = sum(layout)
+    return Node(max(layout), node.cores * max(layout) / n), Node(len(layout), node.cores)
 
 
 def step_times(layout: Sequence[int], nbytes: float, local: AlphaBeta, net: AlphaBeta, *,
@@ -90,3 +119,38 @@ def crossovers(choose: Callable[[int], str], lo: int, hi: int) -> list[tuple[int
         out.append((right, prev, choose(right)))
         prev = cur
     return out
+
+
+def flat_time(algorithm: str, layout: Sequence[int], nbytes: float, local: AlphaBeta, net: AlphaBeta, *,
+              shared_nic: bool = False) -> float:
+    """Predicted seconds of a flat ``ring`` or ``recursive_doubling`` on ``layout`` (equal hosts, see the module doc).
+
+    Every rank has a core of its own; links inside a host follow ``local``,
+    between hosts ``net``; the reductions cost ``net``'s ``gamma``. With
+    ``shared_nic`` a host's ranks share one network port: recursive
+    doubling's rounds between hosts, where all ``L`` of them send at once,
+    take ``L`` times the link bytes (the ring sends across one rank per host
+    at a time, the two-level allreduce only from the leader: neither
+    changes). The simulation gives each rank its own port (``shared_nic=False``).
+    """
+    hosts, per_host = len(layout), max(layout)
+    n = hosts * per_host
+    if any(h != per_host for h in layout):
+        raise UsageError(f"flat_time needs hosts of equal size, got {list(layout)}")
+    if hosts == 1 or per_host == 1:
+        return predict(algorithm, n, nbytes, local if hosts == 1 else net)
+    if algorithm == "recursive_doubling":
+        port = per_host if shared_nic else 1
+        crossing = predict(algorithm, hosts, nbytes, net)
+        return predict(algorithm, per_host, nbytes, local) + crossing + (port - 1) * nbytes * net.beta_s_per_byte * \
+            math.log2(hosts)
+    if algorithm != "ring":
+        raise UsageError(f"flat_time covers ring and recursive_doubling, not {algorithm!r}")
+    m, steps = nbytes / n, 2 * (n - 1)
+
+    def hop(model: AlphaBeta) -> float:
+        return model.alpha_s + (model.beta_s_per_byte + 2 * model.delta_s_per_byte) * m
+
+    reduce = (n - 1) * m * net.gamma_s_per_byte
+    chain = steps / n * (hosts * hop(net) + (n - hosts) * hop(local))
+    return reduce + max(chain, steps * net.beta_s_per_byte * m)

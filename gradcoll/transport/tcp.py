@@ -37,6 +37,7 @@ from __future__ import annotations
 
 import errno
 import math
+import os
 import select
 import socket
 import time
@@ -166,12 +167,24 @@ class TcpTransport(FramedTransport):
     def _idle(self, rounds: int, deadline: Deadline) -> None:
         # Busy-poll briefly before sleeping in poll(): waking a sleeping process
         # costs tens of microseconds, more than a small message's round trip.
-        if rounds <= 1:
-            self._idle_since = time.monotonic()
-        left = deadline.remaining()
-        if time.monotonic() - self._idle_since < self._spin:
-            left = 0.0
-        for fd, _ in self._poll.poll(None if left is None else left * 1000.0):
+        if getattr(self, "_spin_mode", "new") == "old":
+            if rounds <= 1:
+                self._idle_since = time.monotonic()
+            left = deadline.remaining()
+            if time.monotonic() - self._idle_since < self._spin:
+                left = 0.0
+            events = self._poll.poll(None if left is None else left * 1000.0)
+        else:
+            events = self._poll.poll(0)
+            if not events:
+                end = time.monotonic() + self._spin
+                while not events and time.monotonic() < end:
+                    os.sched_yield()
+                    events = self._poll.poll(0)
+                if not events:
+                    left = deadline.remaining()
+                    events = self._poll.poll(None if left is None else left * 1000.0)
+        for fd, _ in events:
             if fd == self._wake_r.fileno():
                 try:
                     self._wake_r.recv(4096)
