@@ -3,7 +3,7 @@ PYTHON ?= python3
 VENV ?= .venv
 PY := $(VENV)/bin/python
 STAMP := $(VENV)/.gradcoll-installed
-SRC_DEPS := pyproject.toml setup.py gradcoll/kernels/_cython_kernels.pyx
+SRC_DEPS := pyproject.toml setup.py gradcoll/kernels/_cython_kernels.pyx gradcoll/transport/_tcp_io.pyx
 
 .PHONY: test demo bench docs fuzz faults install clean
 
@@ -41,4 +41,4 @@ docs: $(STAMP)
 	NO_MKDOCS_2_WARNING=1 $(VENV)/bin/mkdocs build --strict -d site
 
 clean:
-	rm -rf build *.egg-info gradcoll/kernels/*.so gradcoll/kernels/_cython_kernels.c
+	rm -rf build *.egg-info gradcoll/kernels/*.so gradcoll/kernels/_cython_kernels.c gradcoll/transport/*.so gradcoll/transport/_tcp_io.c

@@ -14,4 +14,12 @@ ext = Extension(
     extra_compile_args=["-O3"] if os.name != "nt" else [],
 )
 
-setup(ext_modules=cythonize([ext], compiler_directives={"language_level": "3"}))
+# The tcp transport's send/receive/wait loops (gradcoll/transport/_tcp_io.pyx); POSIX sockets only.
+tcp_io = Extension(
+    "gradcoll.transport._tcp_io",
+    ["gradcoll/transport/_tcp_io.pyx"],
+    extra_compile_args=["-O3"] if os.name != "nt" else [],
+)
+
+setup(ext_modules=cythonize([ext] + ([tcp_io] if os.name == "posix" else []),
+                            compiler_directives={"language_level": "3"}))

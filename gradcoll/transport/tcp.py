@@ -35,12 +35,15 @@ driver when another thread queues work. Frame codec:
 
 from __future__ import annotations
 
+import array
 import errno
+import importlib
 import math
 import os
 import select
 import socket
 import time
+from types import ModuleType
 from typing import cast
 
 from .._util import Deadline
@@ -58,6 +61,19 @@ HEARTBEAT_S = 5.0
 #: Default seconds a link may go unanswered (probes or data) before it is dropped as unreachable.
 LINK_TIMEOUT_S = 30.0
 _HDR = fr.HEADER_SIZE
+
+
+def _compiled() -> ModuleType | None:
+    """The compiled send/receive/wait loops (``_tcp_io.pyx``), or None: the same loops in Python, slower."""
+    if os.environ.get("GRADCOLL_TCP_PURE_PYTHON"):
+        return None
+    try:
+        return importlib.import_module("gradcoll.transport._tcp_io")
+    except ImportError:
+        return None
+
+
+_IO = _compiled()
 #: Errors of a link whose peer stopped answering (keepalive or user timeout, no route): the peer is unreachable.
 _SILENT = (errno.ETIMEDOUT, errno.EHOSTUNREACH, errno.ENETUNREACH, errno.EHOSTDOWN)
 
@@ -150,9 +166,13 @@ class TcpTransport(FramedTransport):
         self._poll.register(self._wake_r.fileno(), select.POLLIN)
         self._idle_since = 0.0
         self._spin = SPIN_S
+        self._fds = array.array("i", [self._wake_r.fileno()])
+        self._events = array.array("h", [select.POLLIN])
+        self._revents = array.array("h", [0])
 
     # -- waiting ---------------------------------------------------------
     def _before_idle(self) -> None:
+        changed = False
         for link in self._peers:
             mask = (select.POLLIN if link.recvq else 0) | (select.POLLOUT if link.sendq else 0)
             if mask != link.events:
@@ -162,34 +182,36 @@ class TcpTransport(FramedTransport):
                     self._poll.unregister(link.fd)
                 else:
                     self._poll.modify(link.fd, mask)
-                link.events = mask
+                link.events, changed = mask, True
+        if changed and _IO is not None:
+            watched = [ln for ln in self._peers if ln.events]
+            self._fds = array.array("i", [self._wake_r.fileno()] + [ln.fd for ln in watched])
+            self._events = array.array("h", [select.POLLIN] + [ln.events for ln in watched])
+            self._revents = array.array("h", bytes(2 * len(self._fds)))
 
     def _idle(self, rounds: int, deadline: Deadline) -> None:
-        # Busy-poll briefly before sleeping in poll(): waking a sleeping process
-        # costs tens of microseconds, more than a small message's round trip.
-        if getattr(self, "_spin_mode", "new") == "old":
-            if rounds <= 1:
-                self._idle_since = time.monotonic()
-            left = deadline.remaining()
-            if time.monotonic() - self._idle_since < self._spin:
-                left = 0.0
-            events = self._poll.poll(None if left is None else left * 1000.0)
-        else:
-            events = self._poll.poll(0)
-            if not events:
-                end = time.monotonic() + self._spin
-                while not events and time.monotonic() < end:
-                    os.sched_yield()
-                    events = self._poll.poll(0)
-                if not events:
-                    left = deadline.remaining()
-                    events = self._poll.poll(None if left is None else left * 1000.0)
-        for fd, _ in events:
+        # Poll without blocking for the first SPIN_S, yielding the CPU in between (a peer that shares this
+        # core runs meanwhile), then sleep in poll(): waking a sleeping process costs tens of microseconds,
+        # more than a small message's round trip. The compiled loop does it without the GIL.
+        left = deadline.remaining()
+        if _IO is not None and len(self._fds) <= 64:
+            if _IO.wait(self._fds, self._events, self._revents, self._spin, -1.0 if left is None else left) \
+                    and self._revents[0]:
+                self._drain_wake()
+            return
+        if rounds <= 1:
+            self._idle_since = time.monotonic()
+        if time.monotonic() - self._idle_since < self._spin:
+            left = 0.0
+        for fd, _ in self._poll.poll(None if left is None else left * 1000.0):
             if fd == self._wake_r.fileno():
-                try:
-                    self._wake_r.recv(4096)
-                except OSError:
-                    pass
+                self._drain_wake()
+
+    def _drain_wake(self) -> None:
+        try:
+            self._wake_r.recv(4096)
+        except OSError:
+            pass
 
     def _wake_driver(self) -> None:
         try:
@@ -206,7 +228,12 @@ class TcpTransport(FramedTransport):
                 op.seq, link.send_seq = link.send_seq, link.send_seq + 1
                 op.hdr = fr.pack_header(op.seq, op.tag, op.total)
             try:
-                if op.off < _HDR:  # gather: header and payload in one syscall
+                if _IO is not None:  # every sendmsg until the frame is out or the socket is full, in C
+                    n, err = _IO.push(link.fd, op.hdr, op.view, op.off)
+                    if err:
+                        raise OSError(err, os.strerror(err))
+                    n -= op.off
+                elif op.off < _HDR:  # gather: header and payload in one syscall
                     n = link.sock.sendmsg([op.hdr[op.off :], op.view])
                 else:
                     n = link.sock.send(op.view[op.off - _HDR :])
@@ -230,13 +257,21 @@ class TcpTransport(FramedTransport):
                 op.hdr = bytearray(_HDR)
                 op.seq = link.recv_seq
             try:
-                if op.off < _HDR:  # scatter: header and payload in one syscall
-                    bufs = [memoryview(op.hdr)[op.off :]]
-                    if op.total:
-                        bufs.append(op.view)
+                if _IO is not None and not link.stash:  # recvmsg until done, empty or a header is in, in C
+                    n, err, eof = _IO.pull(link.fd, op.hdr, op.view, op.off)
+                    if err:
+                        raise OSError(err, os.strerror(err))
+                    n -= op.off
+                    if n == 0 and not eof:
+                        return finished
                 else:
-                    bufs = [op.view[op.off - _HDR :]]
-                n = _read_stash(link, bufs) if link.stash else link.sock.recvmsg_into(bufs)[0]
+                    if op.off < _HDR:  # scatter: header and payload in one syscall
+                        bufs = [memoryview(op.hdr)[op.off :]]
+                        if op.total:
+                            bufs.append(op.view)
+                    else:
+                        bufs = [op.view[op.off - _HDR :]]
+                    n = _read_stash(link, bufs) if link.stash else link.sock.recvmsg_into(bufs)[0]
             except (BlockingIOError, InterruptedError):
                 return finished
             except OSError as e:
