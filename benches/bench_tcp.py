@@ -27,6 +27,18 @@ sys.path.insert(0, os.path.dirname(HERE))
 import compare_anchors  # noqa: E402
 
 IMPLS = ["gradcoll-tcp", "mpi-tcp", "gloo"]
+#: gradcoll's tcp transport with its compiled send/receive loops switched off (GRADCOLL_TCP_PURE_PYTHON=1).
+PURE = "gradcoll-tcp-py"
+
+
+def _run(kind: str, n: int, lo: str, hi: str, repeats: int) -> list[dict]:
+    if kind != PURE:
+        return compare_anchors.run(kind, n, lo, hi, repeats)
+    os.environ["GRADCOLL_TCP_PURE_PYTHON"] = "1"  # the launched ranks inherit it
+    try:
+        return [{**r, "impl": PURE} for r in compare_anchors.run("gradcoll-tcp", n, lo, hi, repeats)]
+    finally:
+        del os.environ["GRADCOLL_TCP_PURE_PYTHON"]
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -35,12 +47,13 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--sizes", nargs=2, default=["4K", "64M"], help="smallest and largest size, x4 steps")
     ap.add_argument("--rounds", type=int, default=5, help="alternating rounds (default 5)")
     ap.add_argument("--repeats", type=int, default=3, help="timed loops per size in a round (median; default 3)")
-    ap.add_argument("--only", default=",".join(IMPLS), help="implementations, comma-separated")
+    ap.add_argument("--only", default=",".join(IMPLS),
+                    help=f"implementations, comma-separated (also {PURE}: the Python send/receive loops)")
     ap.add_argument("--json", dest="json_path", default=None, help="write every round's rows here")
     a = ap.parse_args(argv)
     impls = [i for i in a.only.split(",") if i]
     for kind in list(impls):
-        why = compare_anchors._available(kind)
+        why = None if kind == PURE else compare_anchors._available(kind)
         if why:
             print(f"# skipping {kind}: {why}", file=sys.stderr)
             impls.remove(kind)
@@ -48,7 +61,7 @@ def main(argv: list[str] | None = None) -> int:
     for rnd in range(a.rounds):
         for kind in impls:
             print(f"# round {rnd + 1}/{a.rounds}: {kind} on {a.nprocs} ranks", file=sys.stderr, flush=True)
-            for row in compare_anchors.run(kind, a.nprocs, a.sizes[0], a.sizes[1], a.repeats):
+            for row in _run(kind, a.nprocs, a.sizes[0], a.sizes[1], a.repeats):
                 rows.append({**row, "round": rnd})
     med: dict[tuple[str, int], float] = {}
     for kind in impls:

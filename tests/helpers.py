@@ -151,7 +151,14 @@ def netns_skip_reason() -> str | None:
     r = subprocess.run(["ip", "netns", "add", probe], capture_output=True, text=True, timeout=20)
     if r.returncode != 0:
         return f"`ip netns add` is not allowed here ({r.stderr.strip() or r.returncode}); {NETNS_HINT}"
-    subprocess.run(["ip", "netns", "del", probe], capture_output=True, timeout=20)
+    try:  # namespaces alone are not enough: the tests also need veth cables and a bridge
+        for what, argv in (("veth", ["link", "add", "gcp0", "type", "veth", "peer", "name", "gcp1"]),
+                           ("bridge", ["link", "add", "gcpbr", "type", "bridge"])):
+            r = subprocess.run(["ip", "-n", probe, *argv], capture_output=True, text=True, timeout=20)
+            if r.returncode != 0:
+                return f"`ip link add ... type {what}` is not allowed here ({r.stderr.strip() or r.returncode}); {NETNS_HINT}"
+    finally:
+        subprocess.run(["ip", "netns", "del", probe], capture_output=True, timeout=20)
     return None
 
 

@@ -193,15 +193,16 @@ class TcpTransport(FramedTransport):
         # Poll without blocking for the first SPIN_S, yielding the CPU in between (a peer that shares this
         # core runs meanwhile), then sleep in poll(): waking a sleeping process costs tens of microseconds,
         # more than a small message's round trip. The compiled loop does it without the GIL.
-        left = deadline.remaining()
+        left, now = deadline.remaining(), time.monotonic()
+        if rounds <= 1:
+            self._idle_since = now
+        spin = max(0.0, self._idle_since + self._spin - now)  # what is left of this wait's spin
         if _IO is not None and len(self._fds) <= 64:
-            if _IO.wait(self._fds, self._events, self._revents, self._spin, -1.0 if left is None else left) \
+            if _IO.wait(self._fds, self._events, self._revents, spin, -1.0 if left is None else left) \
                     and self._revents[0]:
                 self._drain_wake()
             return
-        if rounds <= 1:
-            self._idle_since = time.monotonic()
-        if time.monotonic() - self._idle_since < self._spin:
+        if spin:
             left = 0.0
         for fd, _ in self._poll.poll(None if left is None else left * 1000.0):
             if fd == self._wake_r.fileno():
