@@ -9,10 +9,14 @@
 * :class:`Netns` builds a private network of "hosts" on this machine (Linux
   network namespaces on veth links to one bridge) and runs processes in
   them; :func:`netns_skip_reason` says why it cannot.
+* :func:`positional_params` and :func:`field_names` read an API's shape, for
+  the parity tests of the front ends.
 """
 
 from __future__ import annotations
 
+import dataclasses
+import inspect
 import multiprocessing
 import os
 import queue
@@ -26,6 +30,17 @@ from collections.abc import Callable
 from typing import Any
 
 MPI_HINT = "install Open MPI and mpi4py: pip install gradcoll[mpi]"
+
+
+def positional_params(fn: Any) -> list[str]:
+    """Names of ``fn``'s parameters that may be passed by position (``self``/``cls`` left out)."""
+    return [p.name for p in inspect.signature(fn).parameters.values()
+            if p.name not in ("self", "cls") and p.kind is not inspect.Parameter.KEYWORD_ONLY]
+
+
+def field_names(cls: Any) -> list[str]:
+    """A dataclass's field names, in order."""
+    return [f.name for f in dataclasses.fields(cls)]
 
 
 def _rank_main(fn: Callable[..., Any], rank: int, size: int, path: str, args: tuple, results: Any) -> None:

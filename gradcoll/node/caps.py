@@ -28,6 +28,7 @@ log = logging.getLogger(__name__)
 #: Device directives ``node_device`` understands (besides "auto" / "").
 KNOWN_DEVICES = ("cpu", "cuda", "cudasim")
 _PLATFORMS = ("linux", "macos", "windows", "android", "ios", "wasm", "unknown")
+_MAX_PLATFORM = 64
 _WORKER, _FIXED = "worker", "fixed_function"
 
 
@@ -125,7 +126,7 @@ class NodeRole:
 
 @dataclass(frozen=True)
 class NodeCaps:
-    """What a node tells the coordinator: its rank, role, devices (best first) and platform."""
+    """What a node tells the coordinator: its rank, role, devices (best first) and platform (a free-form tag)."""
 
     rank: int
     role: NodeRole
@@ -141,8 +142,12 @@ class NodeCaps:
         if not all(isinstance(d, str) and d for d in devices):
             raise UsageError(f"caps devices must be non-empty strings, got {self.devices!r}")
         object.__setattr__(self, "devices", devices)
-        if self.platform not in _PLATFORMS:
-            raise UsageError(f"caps platform must be one of {', '.join(_PLATFORMS)}, got {self.platform!r}")
+        # Free-form, as in the original: only ever logged or displayed, so any short
+        # printable tag will do (platform_tag() gives the known ones).
+        if not isinstance(self.platform, str) or not 0 < len(self.platform) <= _MAX_PLATFORM \
+                or not self.platform.isprintable():
+            raise UsageError(f"caps platform must be a printable tag of 1..{_MAX_PLATFORM} characters "
+                             f"(such as {', '.join(_PLATFORMS)}), got {self.platform!r:.80}")
 
     @classmethod
     def here(cls, rank: int, role: NodeRole | None = None, device: str = "auto") -> "NodeCaps":
@@ -153,7 +158,7 @@ class NodeCaps:
 
     def accepts(self, stage: StageSpec) -> bool:
         """True if this node can run ``stage`` (a fixed-function node only its own stage id)."""
-        return not self.role.is_fixed_function or stage.stage_id == self.role.fixed.stage_id  # type: ignore[union-attr]
+        return self.role.fixed is None or self.role.fixed.accepts(stage)
 
     def can_train(self) -> None:
         """Raise StageRefused if this node cannot train (fixed-function hardware)."""

@@ -165,12 +165,14 @@ class NodeConfig:
 
     # -- builders ----------------------------------------------------------
     def peers(self, addrs: Sequence[str]) -> "NodeConfig":
-        """Static peers: ``world`` addresses (mesh) or exactly one, the coordinator's (star)."""
+        """Static peers: ``world`` addresses (any topology, mesh by default) or exactly one, the coordinator's (star)."""
         addrs = [addrs] if isinstance(addrs, str) else list(addrs)
         if len(addrs) not in (1, self.world):
             raise UsageError(f"peers: got {len(addrs)} addresses for a world of {self.world}; "
                              f"pass {self.world} (mesh) or exactly 1 (the coordinator, star)")
-        topo = Topology.STAR if len(addrs) == 1 and self.world > 1 else Topology.MESH
+        # One address can only be a star; a full list keeps the topology chosen so far
+        # (``.star().peers(addrs)`` stays a star, as in the original).
+        topo = Topology.STAR if len(addrs) == 1 and self.world > 1 else self.wire_topology
         return replace(self, peer_source=PeerSource.static(addrs), wire_topology=topo)
 
     def discover(self, store: str, *, host: str | None = None, external: bool = False,

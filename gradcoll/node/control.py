@@ -36,6 +36,10 @@ class NodeStopHandle:
         """True once ``stop`` was called."""
         return self._event.is_set()
 
+    def is_stopped(self) -> bool:
+        """True once ``stop`` was called (the original's name for ``stopped``)."""
+        return self._event.is_set()
+
 
 class NodeControl:
     """Bounds a serving loop: at most ``max_steps`` activations (None: no bound) and a stop flag."""
@@ -71,6 +75,9 @@ class NodeControl:
     def allows(self, done: int) -> bool:
         """True if a loop that has served ``done`` activations may serve another."""
         return not self._event.is_set() and (self.max_steps is None or done < self.max_steps)
+
+    #: The original's name for ``allows``.
+    should_continue = allows
 
     def __repr__(self) -> str:
         bound = "unbounded" if self.max_steps is None else f"steps={self.max_steps}"

@@ -3,10 +3,13 @@
 A fixed-function node (an FPGA with a synthesized datapath) cannot compile
 a shipped graph. It advertises the one stage it implements as a
 ``FixedFunction`` and refuses any stage with another id, any input of
-the wrong length or dtype, and any board output of the wrong length. The
-serving loop is ``gradcoll.node.serve_fixed_function_n``; it converts
-each activation to the board's ``dtype`` on the host, as a worker's stage
-converts to its spec's dtype.
+the wrong length, and any board output of the wrong length. ``dtype`` is
+the element type the datapath was synthesized for, in any spelling
+``gradcoll.node.dtypes`` reads (``"f32"`` or ``"float32"``), stored and sent
+in its canonical one. The serving loop is
+``gradcoll.node.serve_fixed_function_n``; it converts each activation to
+``exchange_dtype`` on the host: the datapath's own type when NumPy computes
+in it (float16/32/64), else float32, which the board's driver converts.
 """
 
 from __future__ import annotations
@@ -18,15 +21,16 @@ from typing import Any, Protocol, runtime_checkable
 import numpy as np
 
 from ..errors import UsageError
+from .dtypes import BOARD_DTYPES, canonical_dtype, exchange_dtype
 from .errors import StageRefused
-from .stage import StageSpec, check_dtype
+from .stage import StageSpec
 
 __all__ = ["FixedFunction", "FixedFunctionDevice", "LoopbackFixedFunction"]
 
 
 @dataclass(frozen=True)
 class FixedFunction:
-    """The one stage a piece of hardware implements: its id, input/output lengths and dtype."""
+    """The one stage a piece of hardware implements: its id, input/output lengths and datapath dtype."""
 
     stage_id: str
     input_elems: int
@@ -40,11 +44,20 @@ class FixedFunction:
             n = getattr(self, name)
             if isinstance(n, bool) or not isinstance(n, int) or n < 0:
                 raise UsageError(f"fixed-function {name} must be an int >= 0, got {n!r}")
-        object.__setattr__(self, "dtype", check_dtype(self.dtype))
+        object.__setattr__(self, "dtype", canonical_dtype(self.dtype, BOARD_DTYPES, what="fixed-function dtype"))
+
+    @property
+    def exchange_dtype(self) -> str:
+        """The dtype the host hands the board and reads back (float32 for bfloat16 and integer datapaths)."""
+        return exchange_dtype(self.dtype)
+
+    def accepts(self, spec: StageSpec) -> bool:
+        """True if ``spec`` is this stage; ``check_stage`` raises with the reason instead."""
+        return spec.stage_id == self.stage_id
 
     def check_stage(self, spec: StageSpec) -> None:
         """Raise StageRefused unless ``spec`` is this stage (errors name both ids)."""
-        if spec.stage_id != self.stage_id:
+        if not self.accepts(spec):
             raise StageRefused(f"fixed-function stage {self.stage_id!r} cannot run stage {spec.stage_id!r}: "
                                "its datapath is baked into hardware")
 

@@ -144,7 +144,7 @@ def serve_fixed_function_n(group: ProcessGroup, ff: FixedFunction, board: FixedF
     Refuses, before sending anything, a board whose stage id differs from
     ``ff``; refuses a shipped stage with another id (both ids named), an
     input that is not ``ff.input_elems`` elements long (it is converted to
-    ``ff.dtype``) and a board output that is not ``ff.output_elems`` long.
+    ``ff.exchange_dtype``) and a board output that is not ``ff.output_elems`` long.
     """
     _worker_rank(group, "serve a fixed-function stage")
     board_id = board.stage_id()
@@ -165,9 +165,9 @@ def serve_fixed_function_n(group: ProcessGroup, ff: FixedFunction, board: FixedF
 
     def run(x: np.ndarray) -> np.ndarray:
         ff.check_input(x)
-        y = np.asarray(board.execute(x.astype(ff.dtype, copy=False)))
+        y = np.asarray(board.execute(x.astype(ff.exchange_dtype, copy=False)))
         ff.check_output(y)
-        return np.ascontiguousarray(y, dtype=ff.dtype).reshape(-1)
+        return np.ascontiguousarray(y, dtype=ff.exchange_dtype).reshape(-1)
 
     return NodeReport(group.rank, "fixed_function", caps.platform, _serve_loop(group, control, run))
 

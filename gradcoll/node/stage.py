@@ -26,14 +26,12 @@ from typing import Any
 import numpy as np
 
 from ..errors import UsageError
+from .dtypes import canonical_dtype
 from .ops import OPS, OpDef
 from .weights import Resolver, weight_cache
 
 __all__ = ["OpSpec", "StageSpec", "Stage", "BoundOp", "compile_stage", "bind", "forward", "backward", "check_dtype",
            "parse_ops", "float64_accumulate_of"]
-
-_DTYPES = ("float16", "float32", "float64")
-
 
 def is_finite_number(value: int | float) -> bool:
     """math.isfinite that treats integers too large for a float as not finite (instead of raising)."""
@@ -43,16 +41,8 @@ def is_finite_number(value: int | float) -> bool:
         return False
 
 
-def check_dtype(dtype: Any) -> str:
-    """The canonical name of a float activation dtype, or UsageError."""
-    name: str | None
-    try:
-        name = np.dtype(dtype).name
-    except (TypeError, ValueError):
-        name = None
-    if name is None or name not in _DTYPES:
-        raise UsageError(f"dtype must be one of {', '.join(_DTYPES)}, got {dtype!r}")
-    return name
+#: The old name of ``canonical_dtype`` (``gradcoll.node.dtypes``).
+check_dtype = canonical_dtype
 
 
 def float64_accumulate_of(float64_accumulate: Any, deterministic: Any = None) -> bool:
@@ -154,7 +144,7 @@ class StageSpec:
             raise UsageError(f"stage_id must be a non-empty string or None, got {self.stage_id!r}")
         if not isinstance(self.device, str):
             raise UsageError(f"device must be a string, got {self.device!r}")
-        object.__setattr__(self, "dtype", check_dtype(self.dtype))
+        object.__setattr__(self, "dtype", canonical_dtype(self.dtype))
 
     def to_dict(self) -> dict[str, Any]:
         """JSON-ready form."""

@@ -21,6 +21,7 @@ distributed run must match to float rounding.
 
 from __future__ import annotations
 
+import sys
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
@@ -41,6 +42,23 @@ __all__ = ["TrainMetrics", "TrainReport", "serve_trainer", "serve_trainer_here",
            "ship_train_spec", "coordinate_trainer", "train_local"]
 
 Log = Callable[[str], None]
+#: ``log=`` of the training entry points: a function that takes each progress line, or a flag
+#: (the original's form): True writes the lines to stderr, False or None drops them.
+LogArg = Log | bool | None
+
+
+def _stderr(line: str) -> None:
+    print(line, file=sys.stderr, flush=True)
+
+
+def _log_fn(log: LogArg) -> Log | None:
+    if log is None or log is False:
+        return None
+    if log is True:
+        return _stderr
+    if not callable(log):
+        raise UsageError(f"log must be a function taking a line, True (stderr) or False/None, got {log!r}")
+    return log
 
 
 @dataclass(frozen=True)
@@ -189,9 +207,10 @@ def _agree(group: ProcessGroup, spec: TrainSpec, refusal: str | None, nparams: i
                                f"{what} per rank is {[int(x) for x in table[:, col]]}")
 
 
-def run_trainer(group: ProcessGroup, spec: TrainSpec, resolve: Resolver | None = None, log: Log | None = None,
+def run_trainer(group: ProcessGroup, spec: TrainSpec, resolve: Resolver | None = None, log: LogArg = None,
                 caps: NodeCaps | None = None) -> TrainReport:
     """Train ``spec`` on this rank together with every other rank of ``group`` (each calls this once)."""
+    say = _log_fn(log)
     caps = caps or NodeCaps.here(group.rank, device="cpu")
     refusal, cause, model, shard = None, None, None, None
     try:
@@ -210,15 +229,16 @@ def run_trainer(group: ProcessGroup, spec: TrainSpec, resolve: Resolver | None =
         raise exc from cause
     assert model is not None and shard is not None
     metrics = _train(group.rank, spec, model, [shard],
-                     lambda bufs: group_mean(group, bufs[0], float64_accumulate=spec.float64_accumulate), log)
+                     lambda bufs: group_mean(group, bufs[0], float64_accumulate=spec.float64_accumulate), say)
     return TrainReport(group.rank, caps.platform, metrics, {k: v.copy() for k, v in model.params.items()})
 
 
 def serve_trainer(group: ProcessGroup, caps: NodeCaps, resolve: Resolver | None = None,
-                  log: Log | None = None) -> TrainReport:
+                  log: LogArg = None) -> TrainReport:
     """Serve as a training worker: announce ``caps``, receive the TrainSpec rank 0 ships, train."""
     if group.rank == 0:
         raise UsageError("rank 0 is the coordinator: use coordinate_trainer (or ship_train_spec + run_trainer)")
+    log = _log_fn(log)  # a bad log= fails here, before rank 0 waits on this rank
     send_caps(group, caps)
     doc = wire.recv_json(group, 0, "train")
     try:
@@ -228,7 +248,7 @@ def serve_trainer(group: ProcessGroup, caps: NodeCaps, resolve: Resolver | None 
     return run_trainer(group, spec, resolve, log, caps)
 
 
-def serve_trainer_here(group: ProcessGroup, resolve: Resolver | None = None, log: Log | None = None) -> TrainReport:
+def serve_trainer_here(group: ProcessGroup, resolve: Resolver | None = None, log: LogArg = None) -> TrainReport:
     """``serve_trainer`` with capabilities derived from this node."""
     return serve_trainer(group, NodeCaps.here(group.rank), resolve, log)
 
@@ -241,24 +261,26 @@ def ship_train_spec(group: ProcessGroup, rank: int, spec: TrainSpec, timeout: fl
 
 
 def coordinate_trainer(group: ProcessGroup, specs: Sequence[TrainSpec], resolve: Resolver | None = None,
-                       log: Log | None = None) -> TrainReport:
+                       log: LogArg = None) -> TrainReport:
     """Coordinator: collect caps, ship ``specs[r]`` to every worker r, and train ``specs[0]`` here."""
     if len(specs) != group.size:
         raise UsageError(f"coordinate_trainer needs one spec per rank ({group.size}), got {len(specs)}")
+    say = _log_fn(log)
     caps = collect_caps(group)
-    if log is not None:
-        log("rank 0: workers " + ", ".join(f"{c.rank}:{c.role.kind}@{c.platform}/{c.devices[0]}" for c in caps))
+    if say is not None:
+        say("rank 0: workers " + ", ".join(f"{c.rank}:{c.role.kind}@{c.platform}/{c.devices[0]}" for c in caps))
     for r in range(1, group.size):
         ship_train_spec(group, r, specs[r])
-    return run_trainer(group, specs[0], resolve, log)
+    return run_trainer(group, specs[0], resolve, say)
 
 
 def train_local(specs: TrainSpec | Sequence[TrainSpec], resolve: Resolver | None = None,
-                log: Log | None = None) -> TrainReport:
+                log: LogArg = None) -> TrainReport:
     """Run the data-parallel loop for every spec's shard in this process (the single-process reference)."""
     specs = [specs] if isinstance(specs, TrainSpec) else list(specs)
     if not specs:
         raise UsageError("train_local needs at least one spec")
+    say = _log_fn(log)
     cache = weight_cache(resolve)
     model = _Model(specs[0], cache)
     shards = [_Shard(s, cache) for s in specs]
@@ -271,5 +293,5 @@ def train_local(specs: TrainSpec | Sequence[TrainSpec], resolve: Resolver | None
         # tests compare the distributed run (which reduces through them) against this.
         return np.mean(np.stack(bufs), axis=0, dtype=acc).astype(specs[0].dtype)
 
-    metrics = _train(0, specs[0], model, shards, reduce, log)
+    metrics = _train(0, specs[0], model, shards, reduce, say)
     return TrainReport(0, platform_tag(), metrics, {k: v.copy() for k, v in model.params.items()})

@@ -34,8 +34,9 @@ from typing import Any
 import numpy as np
 
 from ..errors import UsageError
+from .dtypes import canonical_dtype
 from .ops import OPS
-from .stage import OpSpec, check_dtype, float64_accumulate_of, is_finite_number, parse_ops
+from .stage import OpSpec, float64_accumulate_of, is_finite_number, parse_ops
 
 __all__ = ["DataSpec", "TrainSpec", "LOSSES"]
 
@@ -168,7 +169,7 @@ class TrainSpec:
         _int("batch", self.batch, 1)
         if self.loss not in LOSSES:
             raise UsageError(f"loss must be one of {', '.join(LOSSES)}, got {self.loss!r}")
-        object.__setattr__(self, "dtype", check_dtype(self.dtype))
+        object.__setattr__(self, "dtype", canonical_dtype(self.dtype))
 
     @property
     def steps_per_epoch(self) -> int:

@@ -11,7 +11,7 @@ reactivation, NaN/Inf refusal at submit, and thread safety.
 from __future__ import annotations
 
 from .distributed import DistributedOptimizer
-from .errors import DimensionMismatch, NonFiniteUpdate, OptimizerError, StaleUpdate, WorkerNotFound
+from .errors import DimensionMismatch, NonFiniteUpdate, OptimizerDistError, OptimizerError, StaleUpdate, WorkerNotFound
 from .values import AggregatedGradient, AggregationStrategy, DistOptimizerStats, GradientUpdate, WorkerId, WorkerState
 
 __all__ = [
@@ -23,6 +23,7 @@ __all__ = [
     "WorkerState",
     "DistOptimizerStats",
     "OptimizerError",
+    "OptimizerDistError",
     "WorkerNotFound",
     "StaleUpdate",
     "DimensionMismatch",

@@ -281,7 +281,7 @@ class DistributedOptimizer:
             result = AggregatedGradient(
                 layer_id=layer_id,
                 values=values,
-                contributing_workers=tuple(dict.fromkeys(u.worker_id for u in chosen)),
+                contributing_workers=len({u.worker_id for u in chosen}),
                 step=self._step,
                 contributions=tuple((u.worker_id, u.step) for u in chosen),
                 weights=norm,

@@ -12,11 +12,16 @@ from typing import Any
 
 from ..errors import GradcollError, NonFiniteError
 
-__all__ = ["OptimizerError", "WorkerNotFound", "StaleUpdate", "DimensionMismatch", "NonFiniteUpdate"]
+__all__ = ["OptimizerError", "OptimizerDistError", "WorkerNotFound", "StaleUpdate", "DimensionMismatch",
+           "NonFiniteUpdate"]
 
 
 class OptimizerError(GradcollError):
     """Base class of every error the distributed optimizer raises on purpose."""
+
+
+#: The original's name for ``OptimizerError``.
+OptimizerDistError = OptimizerError
 
 
 class WorkerNotFound(OptimizerError, LookupError):

@@ -203,16 +203,18 @@ class AggregationStrategy:
 class AggregatedGradient:
     """The combined gradient of one layer.
 
-    ``values`` is ``sum(weights[i] * gradients of contributions[i])``;
-    ``contributions`` lists the ``(worker_id, step)`` of every update that went
-    into it, in order, and ``weights`` their normalised weights (``1/n`` each
-    unless staleness weighting is on). ``contributing_workers`` names each
-    contributing worker once; ``step`` is the global step at aggregation.
+    The first four fields are the original's: ``values`` is
+    ``sum(weights[i] * gradients of contributions[i])``, ``contributing_workers``
+    is how many workers contributed (a count), and ``step`` the global step at
+    aggregation. gradcoll adds ``contributions``, the ``(worker_id, step)`` of
+    every update that went into the mean, in order, and ``weights``, their
+    normalised weights (``1/n`` each unless staleness weighting is on);
+    ``contributors`` names each contributing worker once.
     """
 
     layer_id: str
     values: np.ndarray
-    contributing_workers: tuple[WorkerId, ...]
+    contributing_workers: int
     step: int
     contributions: tuple[tuple[WorkerId, int], ...] = ()
     weights: tuple[float, ...] = ()
@@ -222,9 +224,23 @@ class AggregatedGradient:
         if not (isinstance(vals, np.ndarray) and vals.dtype == np.float64 and not vals.flags.writeable):
             vals = _frozen_f64(vals, "values")
         object.__setattr__(self, "values", vals)
-        object.__setattr__(self, "contributing_workers", tuple(as_worker_id(w) for w in self.contributing_workers))
+        if isinstance(self.contributing_workers, (list, tuple)):
+            raise UsageError("contributing_workers is the number of contributing workers (an int), as in the "
+                             "original; their ids are AggregatedGradient.contributors, from contributions")
+        object.__setattr__(self, "contributing_workers", count("contributing_workers", self.contributing_workers))
+        object.__setattr__(self, "step", count("step", self.step))
         object.__setattr__(self, "contributions", tuple((as_worker_id(w), int(s)) for w, s in self.contributions))
         object.__setattr__(self, "weights", tuple(float(x) for x in self.weights))
+        if self.contributions and len(self.contributors) != self.contributing_workers:
+            raise UsageError(f"contributing_workers={self.contributing_workers} but contributions name "
+                             f"{len(self.contributors)} distinct workers")
+        if self.weights and len(self.weights) != len(self.contributions):
+            raise UsageError(f"{len(self.weights)} weights for {len(self.contributions)} contributions")
+
+    @property
+    def contributors(self) -> tuple[WorkerId, ...]:
+        """Each contributing worker once, in the order of ``contributions``."""
+        return tuple(dict.fromkeys(w for w, _ in self.contributions))
 
     def __eq__(self, other: object) -> bool:
         if not isinstance(other, AggregatedGradient):

@@ -98,14 +98,22 @@ class GradientSyncRequest:
 
 @dataclass(frozen=True)
 class GradientChunkResponse:
-    """One chunk of one peer's gradient: Arrow IPC bytes plus their CRC32."""
+    """One chunk of one peer's gradient: Arrow IPC bytes plus their CRC32.
+
+    The first five fields are the original's, in its order; ``checksum``,
+    gradcoll's addition, is computed over ``data`` when not given.
+    """
 
     session_id: str
     chunk_index: int
     total_chunks: int
     data: bytes = field(repr=False)
     peer_id: str
-    checksum: int
+    checksum: int = -1  # -1: not given (a CRC32 is never negative)
+
+    def __post_init__(self) -> None:
+        if self.checksum == -1:
+            object.__setattr__(self, "checksum", zlib.crc32(self.data))
 
     @classmethod
     def build(

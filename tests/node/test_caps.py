@@ -54,7 +54,8 @@ def test_caps_round_trip_and_strict_parsing() -> None:
     for c in (NodeCaps.here(3, device="cpu"), NodeCaps(2, NodeRole.fixed_function(FF), ("fixed_function",), "ios")):
         assert NodeCaps.from_dict(c.to_dict()) == c
     good = NodeCaps.here(1, device="cpu").to_dict()
-    for bad in ({**good, "extra": 1}, {**good, "platform": "beos"}, {**good, "devices": "cpu"},
+    for bad in ({**good, "extra": 1}, {**good, "platform": ""}, {**good, "platform": "x" * 65},
+                {**good, "platform": "linux\n"}, {**good, "platform": 7}, {**good, "devices": "cpu"},
                 {**good, "role": {"kind": "fixed_function", "fixed": None}}, {**good, "rank": -1}):
         with pytest.raises(UsageError):
             NodeCaps.from_dict(bad)

@@ -124,8 +124,8 @@ def test_sync_mean_of_two_workers():
     agg = opt.try_aggregate("fc")
     assert agg is not None
     np.testing.assert_array_equal(agg.values, [2.0, 3.0])
-    assert agg.contributing_workers == ("w1", "w2")
-    assert len(agg.contributing_workers) == 2
+    assert agg.contributing_workers == 2  # a count, as in the original
+    assert agg.contributors == ("w1", "w2")
     assert (agg.layer_id, agg.step) == ("fc", 0)
     assert opt.pending_updates_for("fc") == 0
     assert opt.last_aggregated("fc") is agg
@@ -306,7 +306,7 @@ def test_quorum_counts_distinct_workers(strategy):
     assert opt.try_aggregate("fc") is None
     opt.submit_update(upd("w2", "fc", [3.0]), now=4)
     agg = opt.try_aggregate("fc")
-    assert agg.contributing_workers == ("w1", "w2")
+    assert agg.contributing_workers == 2 and agg.contributors == ("w1", "w2")  # w1 counts once
     assert agg.contributions == (("w1", 0), ("w1", 1), ("w2", 0))
     np.testing.assert_allclose(agg.values, [(5.0 + 9.0 + 3.0) / 3])
 
@@ -557,7 +557,7 @@ def test_worker_id_is_a_string_value():
     assert repr(w) == "WorkerId('w1')"
     opt = make(SYNC, "w1")
     opt.submit_update(GradientUpdate("w1", "fc", [1.0], 0, 0), now=1)  # plain str accepted too
-    assert opt.try_aggregate("fc").contributing_workers == (w,)
+    assert opt.try_aggregate("fc").contributors == (w,)
 
 
 def test_strategy_constructors_and_validation():
@@ -585,9 +585,14 @@ def test_strategy_constructors_and_validation():
 
 
 def test_aggregated_gradient_is_a_value():
-    a = AggregatedGradient("fc", [1.0, 2.0], ("w1",), 3)
-    assert a == AggregatedGradient("fc", np.array([1.0, 2.0]), (WorkerId("w1"),), 3)
+    a = AggregatedGradient("fc", [1.0, 2.0], 1, 3, (("w1", 3),), (1.0,))
+    assert a == AggregatedGradient("fc", np.array([1.0, 2.0]), 1, 3, ((WorkerId("w1"), 3),), (1.0,))
+    assert a.contributors == ("w1",)
     assert not a.values.flags.writeable
+    with pytest.raises(UsageError, match="contributors"):  # the old meaning: ids, not a count
+        AggregatedGradient("fc", [1.0], ("w1",), 3)
+    with pytest.raises(UsageError, match="2 distinct workers"):
+        AggregatedGradient("fc", [1.0], 1, 3, (("w1", 3), ("w2", 3)), (0.5, 0.5))
 
 
 def test_bad_arguments_are_usage_errors():
@@ -699,7 +704,8 @@ def test_synchronous_rounds_from_threads():
             submitted.wait(timeout=30)
             agg = opt.try_aggregate("fc")
             assert agg is not None and agg.step == step
-            assert sorted(agg.contributing_workers) == sorted(f"w{t}" for t in range(n_threads))
+            assert sorted(agg.contributors) == sorted(f"w{t}" for t in range(n_threads))
+            assert agg.contributing_workers == n_threads
             np.testing.assert_allclose(agg.values, [step + (n_threads - 1) / 2, 1.0])
             opt.advance_step()
             advanced.wait(timeout=30)

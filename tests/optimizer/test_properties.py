@@ -213,7 +213,8 @@ class OptimizerMachine(RuleBasedStateMachine):
         assert agg is not None
         assert agg.layer_id == layer and agg.step == self.step
         assert sorted(agg.contributions) == sorted(chosen)
-        assert list(agg.contributing_workers) == list(dict.fromkeys(w for w, _ in agg.contributions))
+        assert list(agg.contributors) == list(dict.fromkeys(w for w, _ in agg.contributions))
+        assert agg.contributing_workers == len(agg.contributors)
         # The aggregate is the NumPy (weighted) mean of exactly what it reports.
         rows = np.array([pending[k][1] for k in agg.contributions])
         if s.kind == "asynchronous" and s.weighting == "inverse_staleness":
