@@ -72,6 +72,27 @@ cdef inline double _now() noexcept nogil:
     return ts.tv_sec + ts.tv_nsec * 1e-9
 
 
+cdef inline void _frame_iov(msghdr* msg, iovec* iov, uint8_t* h, uint8_t* p, Py_ssize_t off,
+                            Py_ssize_t total) noexcept nogil:
+    """Point ``msg`` at what is left of the frame from byte ``off``: header and payload, or payload alone."""
+    msg.msg_name = NULL
+    msg.msg_namelen = 0
+    msg.msg_control = NULL
+    msg.msg_controllen = 0
+    msg.msg_flags = 0
+    if off < HDR:
+        iov[0].iov_base = <void*>(h + off)
+        iov[0].iov_len = HDR - off
+        iov[1].iov_base = <void*>p
+        iov[1].iov_len = total - HDR
+        msg.msg_iovlen = 2 if total > HDR else 1
+    else:
+        iov[0].iov_base = <void*>(p + (off - HDR))
+        iov[0].iov_len = total - off
+        msg.msg_iovlen = 1
+    msg.msg_iov = iov
+
+
 def push(int fd, const uint8_t[::1] hdr, const uint8_t[::1] payload, Py_ssize_t off):
     """Send header and payload from byte ``off`` (header first) until done or the socket is full.
 
@@ -86,22 +107,7 @@ def push(int fd, const uint8_t[::1] hdr, const uint8_t[::1] payload, Py_ssize_t 
     cdef const uint8_t* p = &payload[0] if payload.shape[0] else NULL
     with nogil:
         while off < total:
-            msg.msg_name = NULL
-            msg.msg_namelen = 0
-            msg.msg_control = NULL
-            msg.msg_controllen = 0
-            msg.msg_flags = 0
-            if off < HDR:
-                iov[0].iov_base = <void*>(h + off)
-                iov[0].iov_len = HDR - off
-                iov[1].iov_base = <void*>p
-                iov[1].iov_len = total - HDR
-                msg.msg_iovlen = 2 if total > HDR else 1
-            else:
-                iov[0].iov_base = <void*>(p + (off - HDR))
-                iov[0].iov_len = total - off
-                msg.msg_iovlen = 1
-            msg.msg_iov = iov
+            _frame_iov(&msg, iov, <uint8_t*>h, <uint8_t*>p, off, total)
             n = sendmsg(fd, &msg, MSG_DONTWAIT | MSG_NOSIGNAL)
             if n < 0:
                 if errno == EINTR:
@@ -128,22 +134,7 @@ def pull(int fd, uint8_t[::1] hdr, uint8_t[::1] payload, Py_ssize_t off):
     cdef uint8_t* p = &payload[0] if payload.shape[0] else NULL
     with nogil:
         while off < total:
-            msg.msg_name = NULL
-            msg.msg_namelen = 0
-            msg.msg_control = NULL
-            msg.msg_controllen = 0
-            msg.msg_flags = 0
-            if off < HDR:
-                iov[0].iov_base = <void*>(h + off)
-                iov[0].iov_len = HDR - off
-                iov[1].iov_base = <void*>p
-                iov[1].iov_len = total - HDR
-                msg.msg_iovlen = 2 if total > HDR else 1
-            else:
-                iov[0].iov_base = <void*>(p + (off - HDR))
-                iov[0].iov_len = total - off
-                msg.msg_iovlen = 1
-            msg.msg_iov = iov
+            _frame_iov(&msg, iov, h, p, off, total)
             n = recvmsg(fd, &msg, MSG_DONTWAIT)
             if n < 0:
                 if errno == EINTR:
