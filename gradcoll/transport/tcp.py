@@ -166,14 +166,15 @@ class TcpTransport(FramedTransport):
         self._poll.register(self._wake_r.fileno(), select.POLLIN)
         self._idle_since = 0.0
         self._spin = SPIN_S
-        self._fds = array.array("i", [self._wake_r.fileno()])
-        self._events = array.array("h", [select.POLLIN])
-        self._revents = array.array("h", [0])
+        # The compiled wait's poll set: slot 0 the wake socket, slot i the i-th peer (fd -1, ignored by
+        # poll, while nothing is queued on it); updated in place, never rebuilt.
+        self._fds = array.array("i", [self._wake_r.fileno()] + [-1] * len(self._peers))
+        self._events = array.array("h", [select.POLLIN] + [0] * len(self._peers))
+        self._revents = array.array("h", [0] * (1 + len(self._peers)))
 
     # -- waiting ---------------------------------------------------------
     def _before_idle(self) -> None:
-        changed = False
-        for link in self._peers:
+        for i, link in enumerate(self._peers, 1):
             mask = (select.POLLIN if link.recvq else 0) | (select.POLLOUT if link.sendq else 0)
             if mask != link.events:
                 if link.events == 0:
@@ -182,12 +183,8 @@ class TcpTransport(FramedTransport):
                     self._poll.unregister(link.fd)
                 else:
                     self._poll.modify(link.fd, mask)
-                link.events, changed = mask, True
-        if changed and _IO is not None:
-            watched = [ln for ln in self._peers if ln.events]
-            self._fds = array.array("i", [self._wake_r.fileno()] + [ln.fd for ln in watched])
-            self._events = array.array("h", [select.POLLIN] + [ln.events for ln in watched])
-            self._revents = array.array("h", bytes(2 * len(self._fds)))
+                link.events = self._events[i] = mask
+                self._fds[i] = link.fd if mask else -1
 
     def _idle(self, rounds: int, deadline: Deadline) -> None:
         # Poll without blocking for the first SPIN_S, yielding the CPU in between (a peer that shares this
