@@ -15,7 +15,9 @@ of the transport with ``poll`` (busy-polling for the first 50 us) until its
 own operation is done, so a ring's pending send keeps moving while the caller
 waits for the left neighbour, and two peers exchanging 64 MiB at once never
 deadlock. Receives land directly in the caller's buffer (``recvmsg_into`` /
-``recv_into``, no staging copy).
+``recv_into``, no staging copy). The send, receive and wait loops run
+compiled and without the GIL where ``_tcp_io`` was built (same bytes on the
+wire); ``GRADCOLL_TCP_PURE_PYTHON=1`` or a missing extension runs them here.
 
 Dead links: every socket has TCP keepalive and ``TCP_USER_TIMEOUT`` set
 (``set_liveness``), so a peer that falls silent without closing (a pulled
