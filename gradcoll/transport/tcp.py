@@ -20,7 +20,7 @@ compiled and without the GIL where ``_tcp_io`` was built (same bytes on the
 wire); ``GRADCOLL_TCP_PURE_PYTHON=1`` or a missing extension runs them here.
 
 Dead links: every socket has TCP keepalive and ``TCP_USER_TIMEOUT`` set
-(``set_liveness``), so a peer that falls silent without closing (a pulled
+(``set_liveness``, ``gradcoll.transport.tcp_liveness``), so a peer that falls silent without closing (a pulled
 cable, a host that lost power, a partition: no FIN, no RST) is found by the
 kernel: an idle link is probed every ``heartbeat_s`` seconds, and a link
 whose probes or data go unanswered for ``link_timeout`` seconds is dropped.
@@ -38,9 +38,7 @@ driver when another thread queues work. Frame codec:
 from __future__ import annotations
 
 import array
-import errno
 import importlib
-import math
 import os
 import select
 import socket
@@ -54,14 +52,11 @@ from ..store import Store
 from . import frame as fr
 from ._engine import FramedTransport, Link, Op
 from .tcp_connect import SOCKBUF, connect
+from .tcp_liveness import HEARTBEAT_S, LINK_TIMEOUT_S, set_liveness, unreachable_or_broken
 
 __all__ = ["TcpTransport", "create", "set_liveness", "SOCKBUF", "SPIN_S", "HEARTBEAT_S", "LINK_TIMEOUT_S"]
 
 SPIN_S = 50e-6  # busy-poll this long before blocking in poll()
-#: Default seconds between keepalive probes of an idle link (and of silence before the first).
-HEARTBEAT_S = 5.0
-#: Default seconds a link may go unanswered (probes or data) before it is dropped as unreachable.
-LINK_TIMEOUT_S = 30.0
 _HDR = fr.HEADER_SIZE
 
 
@@ -76,38 +71,6 @@ def _compiled() -> ModuleType | None:
 
 
 _IO = _compiled()
-#: Errors of a link whose peer stopped answering (keepalive or user timeout, no route): the peer is unreachable.
-_SILENT = (errno.ETIMEDOUT, errno.EHOSTUNREACH, errno.ENETUNREACH, errno.EHOSTDOWN)
-
-
-def set_liveness(sock: socket.socket, heartbeat_s: float = HEARTBEAT_S, link_timeout: float = LINK_TIMEOUT_S) -> None:
-    """Probe ``sock`` when idle every ``heartbeat_s``; drop it after ``link_timeout`` s without an answer (Linux).
-
-    Keepalive probes find a silent peer on an idle link; ``TCP_USER_TIMEOUT``
-    bounds how long sent data (or probes) may stay unacknowledged. Where the
-    options do not exist (or ``sock`` is not a TCP socket), only the
-    collectives' timeouts apply.
-    """
-    if sock.family not in (socket.AF_INET, socket.AF_INET6):
-        return
-    beat = max(1, int(round(heartbeat_s)))  # the kernel counts whole seconds
-    sock.setsockopt(socket.SOL_SOCKET, socket.SO_KEEPALIVE, 1)
-    for name, value in (("TCP_KEEPIDLE", beat), ("TCP_KEEPINTVL", beat),
-                        ("TCP_KEEPCNT", max(1, math.ceil(link_timeout / beat)))):
-        if hasattr(socket, name):
-            sock.setsockopt(socket.IPPROTO_TCP, getattr(socket, name), value)
-    if hasattr(socket, "TCP_USER_TIMEOUT"):
-        sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_USER_TIMEOUT, max(1, int(link_timeout * 1000)))
-
-
-def _broke(link: "_SockLink", e: OSError, link_timeout: float, heartbeat_s: float) -> str:
-    """The reason a link failed with ``e``: unreachable (silence) or broken."""
-    if e.errno in _SILENT:
-        return (f"peer {link.peer} is unreachable: the link gave no sign of life for {link_timeout:g}s "
-                f"(probed every {heartbeat_s:g}s; {e.strerror or e})")
-    return f"link broke ({e.strerror or e})"
-
-
 class _SockLink(Link):
     """A link over one connected, non-blocking socket."""
 
@@ -275,7 +238,7 @@ class TcpTransport(FramedTransport):
             except (BlockingIOError, InterruptedError):
                 return finished
             except OSError as e:
-                self._fail(link, TransportBroken, _broke(link, e, self.link_timeout, self.heartbeat_s), e)
+                self._fail(link, TransportBroken, unreachable_or_broken(link.peer, e, self.link_timeout, self.heartbeat_s), e)
                 return True
             if n == 0:
                 where = "in the middle of a message" if op.off else "without an orderly close (process died?)"
@@ -303,7 +266,7 @@ class TcpTransport(FramedTransport):
         # EPIPE/ECONNRESET also follow an orderly close; if the peer's CLOSE
         # frame is next in the stream, report "closed", not "broken".
         cls: type[TransportBroken | TransportClosed] = TransportBroken
-        reason = _broke(link, e, self.link_timeout, self.heartbeat_s)
+        reason = unreachable_or_broken(link.peer, e, self.link_timeout, self.heartbeat_s)
         if not (link.recvq and link.recvq[0].off):
             try:
                 head = link.sock.recv(_HDR, socket.MSG_PEEK | socket.MSG_DONTWAIT)
