@@ -3,7 +3,8 @@ PYTHON ?= python3
 VENV ?= .venv
 PY := $(VENV)/bin/python
 STAMP := $(VENV)/.gradcoll-installed
-SRC_DEPS := pyproject.toml setup.py gradcoll/kernels/_cython_kernels.pyx gradcoll/transport/_tcp_io.pyx
+SRC_DEPS := pyproject.toml setup.py gradcoll/kernels/_cython_kernels.pyx gradcoll/kernels/_fused.h \
+	gradcoll/transport/_tcp_io.pyx
 
 .PHONY: test demo bench docs fuzz faults install clean
 
@@ -25,7 +26,7 @@ demo: $(STAMP)
 	$(PY) -m gradcoll demo
 
 bench: $(STAMP)
-	$(PY) -m pytest benches/bench_kernels.py --benchmark-enable --benchmark-only -q
+	mkdir -p build && $(PY) benches/bench_kernels.py --json build/bench_kernels.json
 
 fuzz: $(STAMP)
 	GRADCOLL_FUZZ_EXAMPLES=20000 $(PY) -m pytest -q tests/fuzz -p no:cacheprovider

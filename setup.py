@@ -11,7 +11,9 @@ ext = Extension(
     ["gradcoll/kernels/_cython_kernels.pyx"],
     include_dirs=[np.get_include()],
     define_macros=[("NPY_NO_DEPRECATED_API", "NPY_1_7_API_VERSION")],
-    extra_compile_args=["-O3"] if os.name != "nt" else [],
+    depends=["gradcoll/kernels/_fused.h"],
+    # No contraction into fused multiply-adds: every backend must round each operation as IEEE does.
+    extra_compile_args=["-O3", "-ffp-contract=off"] if os.name != "nt" else [],
 )
 
 # The tcp transport's send/receive/wait loops (gradcoll/transport/_tcp_io.pyx); POSIX sockets only.

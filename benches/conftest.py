@@ -2,7 +2,7 @@
 
 Each bench records (group, variant, params) -> median seconds through the
 ``record`` fixture; a bench module may define ``bench_summary(results)`` that
-turns them into ratios against the anchors measured in the same run. Benchmarks run with ``--benchmark-enable`` (see ``make bench``).
+turns them into ratios against the anchors measured in the same run. Benchmarks run with ``pytest benches/<file> --benchmark-enable``.
 """
 
 from __future__ import annotations

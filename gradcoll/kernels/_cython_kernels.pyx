@@ -10,109 +10,86 @@ overflow. The caller locates the culprit on the error path only.
 """
 
 cimport numpy as cnp
-from libc.stdint cimport uint16_t, uint32_t, uint64_t
+from libc.math cimport frexp
+from libc.stdint cimport uint16_t, uint32_t
 from libc.stdlib cimport free, getenv, malloc
-from libc.string cimport memcpy
 
 cnp.import_array()
 
-ctypedef fused src_t:
-    float
-    double
-
-ctypedef fused acc_t:
-    float
-    double
+cdef extern from "_fused.h" nogil:
+    ctypedef Py_ssize_t gc_ssize
+    enum:
+        GC_NONE
+        GC_MUL
+        GC_DIV
+    int gc_reduce_ff(const float* const* xs, gc_ssize n, gc_ssize m, float* out, float f, int mode, int nt)
+    int gc_reduce_dd(const double* const* xs, gc_ssize n, gc_ssize m, double* out, double f, int mode, int nt)
+    int gc_reduce_fd(const float* const* xs, gc_ssize n, gc_ssize m, double* out, double f, int mode, int nt)
+    int gc_acc_f(float* acc, const float* x, gc_ssize m, float d, int mode, float sc, int doscale)
+    int gc_acc_d(double* acc, const double* x, gc_ssize m, double d, int mode, double sc, int doscale)
+    int gc_finite_f(const float* p, gc_ssize m)
+    int gc_finite_d(const double* p, gc_ssize m)
+    int gc_encode_bf16(const uint32_t* u, uint16_t* w, gc_ssize m)
+    int gc_encode_fp16(const uint32_t* u, uint16_t* w, gc_ssize m)
+    int gc_acc_bf16(float* acc, const uint16_t* w, gc_ssize m, float d, int mode, int decode_only)
+    int gc_acc_fp16(float* acc, const uint16_t* w, const float* table, gc_ssize m, float d, int mode, int decode_only)
 
 cdef enum:
-    BLOCK = 2048
     STACK_PTRS = 64
+    # Below this many elements moved the GIL is kept: releasing and taking it back costs more than the work.
+    NOGIL_ELEMS = 32768
+
+#: Outputs of at least this many bytes are written with non-temporal stores: an output as large as the
+#: last-level cache (32 MiB on the CI machine) cannot stay in it anyway, and these stores skip reading every
+#: output line before it is overwritten. ``set_stream_bytes`` changes it (benches/bench_kernels.py --stream-bytes).
+STREAM_BYTES = 32 << 20
+cdef Py_ssize_t _stream_bytes = STREAM_BYTES
 
 
-cdef inline bint _block_finite(acc_t* p, Py_ssize_t k) noexcept nogil:
-    cdef Py_ssize_t i
-    cdef uint32_t b32, m32 = 0
-    cdef uint64_t b64, m64 = 0
-    if acc_t is float:
-        for i in range(k):
-            memcpy(&b32, &p[i], 4)
-            m32 |= ((b32 & 0x7f800000u) + 0x00800000u)
-        return (m32 & 0x80000000u) == 0
-    else:
-        for i in range(k):
-            memcpy(&b64, &p[i], 8)
-            m64 |= ((b64 & 0x7ff0000000000000ull) + 0x0010000000000000ull)
-        return (m64 & 0x8000000000000000ull) == 0
+def set_stream_bytes(Py_ssize_t nbytes):
+    """Set the output size from which reduces write with non-temporal stores (see ``cython_backend``)."""
+    global _stream_bytes, STREAM_BYTES
+    _stream_bytes = nbytes
+    STREAM_BYTES = nbytes
 
 
-cdef bint _reduce(src_t** xs, Py_ssize_t n, Py_ssize_t m, acc_t* out, acc_t divisor, bint dodiv, bint check) noexcept nogil:
-    cdef Py_ssize_t lo, hi, i, j, k
-    cdef bint ok = True
-    cdef acc_t* o
-    cdef src_t* x
-    lo = 0
-    while lo < m:
-        hi = lo + BLOCK
-        if hi > m:
-            hi = m
-        k = hi - lo
-        o = out + lo
-        x = xs[0] + lo
-        for i in range(k):
-            o[i] = <acc_t>x[i]
-        for j in range(1, n):
-            x = xs[j] + lo
-            for i in range(k):
-                o[i] = o[i] + <acc_t>x[i]
-        if dodiv:
-            for i in range(k):
-                o[i] = o[i] / divisor
-        if check and not _block_finite(o, k):
-            ok = False
-        lo = hi
-    return ok
-
-
-cdef bint _accumulate(acc_t* acc, acc_t* x, Py_ssize_t m, acc_t scale, bint doscale, acc_t divisor, bint dodiv, bint check) noexcept nogil:
-    cdef Py_ssize_t lo, hi, i, k
-    cdef bint ok = True
-    cdef acc_t* a
-    cdef acc_t* b
-    lo = 0
-    while lo < m:
-        hi = lo + BLOCK
-        if hi > m:
-            hi = m
-        k = hi - lo
-        a = acc + lo
-        b = x + lo
-        for i in range(k):
-            a[i] = a[i] + b[i]
-        if dodiv:
-            for i in range(k):
-                a[i] = a[i] / divisor
-        if doscale:
-            for i in range(k):
-                a[i] = a[i] * scale
-        if check and not _block_finite(a, k):
-            ok = False
-        lo = hi
-    return ok
+cdef inline int _finish(double divisor, double* f) noexcept nogil:
+    """How a result is divided: not at all, by multiplying with an exact reciprocal (a power of two), or dividing."""
+    cdef int e
+    if divisor == 1.0:
+        f[0] = 1.0
+        return GC_NONE
+    if frexp(divisor, &e) == 0.5 and -1000 < e < 1000:
+        f[0] = 1.0 / divisor  # exact: the product has the same bits as the quotient
+        return GC_MUL
+    f[0] = divisor
+    return GC_DIV
 
 
 cdef bint _run_reduce(void** ptrs, Py_ssize_t n, Py_ssize_t m, cnp.ndarray out, int src64, double divisor, bint check):
-    cdef bint dodiv = divisor != 1.0
-    cdef bint ok
+    cdef double f
+    cdef int mode = _finish(divisor, &f)
+    cdef int ok
     cdef int acc64 = cnp.PyArray_TYPE(out) == cnp.NPY_DOUBLE
     cdef void* po = cnp.PyArray_DATA(out)
-    with nogil:
-        if src64:
-            ok = _reduce[double, double](<double**>ptrs, n, m, <double*>po, divisor, dodiv, check)
-        elif acc64:
-            ok = _reduce[float, double](<float**>ptrs, n, m, <double*>po, divisor, dodiv, check)
-        else:
-            ok = _reduce[float, float](<float**>ptrs, n, m, <float*>po, <float>divisor, dodiv, check)
-    return ok
+    cdef int nt = m * (8 if acc64 else 4) >= _stream_bytes
+    if mode == GC_MUL and not acc64 and not (1.1754943508222875e-38 <= f <= 1.7014118346046923e+38):
+        mode, f = GC_DIV, divisor  # the float32 reciprocal would not be exact
+    if m * n < NOGIL_ELEMS:
+        ok = _reduce_c(ptrs, n, m, po, src64, acc64, f, mode, nt)
+    else:
+        with nogil:
+            ok = _reduce_c(ptrs, n, m, po, src64, acc64, f, mode, nt)
+    return ok or not check
+
+
+cdef inline int _reduce_c(void** ptrs, Py_ssize_t n, Py_ssize_t m, void* po, int src64, int acc64, double f,
+                          int mode, int nt) noexcept nogil:
+    if src64:
+        return gc_reduce_dd(<const double**>ptrs, n, m, <double*>po, f, mode, nt)
+    if acc64:
+        return gc_reduce_fd(<const float**>ptrs, n, m, <double*>po, f, mode, nt)
+    return gc_reduce_ff(<const float**>ptrs, n, m, <float*>po, <float>f, mode, nt)
 
 
 def reduce_list(list rows, cnp.ndarray out, double divisor, bint check):
@@ -157,41 +134,48 @@ def reduce_2d(cnp.ndarray x, cnp.ndarray out, double divisor, bint check):
             free(ptrs)
 
 
-def accumulate(cnp.ndarray acc, cnp.ndarray x, scale, divisor, bint check):
-    """In place ``acc += x`` (then ``/= divisor``, ``*= scale``); True when all finite."""
+cdef bint _run_accumulate(cnp.ndarray acc, cnp.ndarray x, double scale, bint doscale, double divisor, bint check):
     cdef Py_ssize_t m = cnp.PyArray_SIZE(acc)
-    cdef bint doscale = scale is not None
-    cdef bint dodiv = divisor is not None and divisor != 1
-    cdef double s = scale if doscale else 1.0
-    cdef double d = divisor if dodiv else 1.0
-    cdef bint ok
+    cdef double f
+    cdef int mode = _finish(divisor, &f)
+    cdef int ok
     cdef void* pa = cnp.PyArray_DATA(acc)
     cdef void* px = cnp.PyArray_DATA(x)
-    with nogil:
-        if cnp.PyArray_TYPE(acc) == cnp.NPY_DOUBLE:
-            ok = _accumulate[double](<double*>pa, <double*>px, m, s, doscale, d, dodiv, check)
+    cdef int is64 = cnp.PyArray_TYPE(acc) == cnp.NPY_DOUBLE
+    if mode == GC_MUL and not is64 and not (1.1754943508222875e-38 <= f <= 1.7014118346046923e+38):
+        mode, f = GC_DIV, divisor
+    if m < NOGIL_ELEMS:
+        if is64:
+            ok = gc_acc_d(<double*>pa, <double*>px, m, f, mode, scale, doscale)
         else:
-            ok = _accumulate[float](<float*>pa, <float*>px, m, <float>s, doscale, <float>d, dodiv, check)
-    return ok
+            ok = gc_acc_f(<float*>pa, <float*>px, m, <float>f, mode, <float>scale, doscale)
+    else:
+        with nogil:
+            if is64:
+                ok = gc_acc_d(<double*>pa, <double*>px, m, f, mode, scale, doscale)
+            else:
+                ok = gc_acc_f(<float*>pa, <float*>px, m, <float>f, mode, <float>scale, doscale)
+    return ok or not check
+
+
+def accumulate(cnp.ndarray acc, cnp.ndarray x, scale, divisor, bint check):
+    """In place ``acc += x`` (then ``/= divisor``, ``*= scale``); True when all finite."""
+    cdef bint doscale = scale is not None
+    return _run_accumulate(acc, x, scale if doscale else 1.0, doscale,
+                           divisor if divisor is not None else 1.0, check)
 
 
 def is_all_finite(cnp.ndarray buf):
     """True when every element of the contiguous float buffer is finite."""
-    cdef Py_ssize_t m = cnp.PyArray_SIZE(buf), lo = 0, k
-    cdef bint ok = True
+    cdef Py_ssize_t m = cnp.PyArray_SIZE(buf)
     cdef void* p = cnp.PyArray_DATA(buf)
-    cdef int is64 = cnp.PyArray_TYPE(buf) == cnp.NPY_DOUBLE
+    cdef int ok
     with nogil:
-        while lo < m and ok:
-            k = m - lo
-            if k > BLOCK:
-                k = BLOCK
-            if is64:
-                ok = _block_finite[double](<double*>p + lo, k)
-            else:
-                ok = _block_finite[float](<float*>p + lo, k)
-            lo += k
-    return ok
+        if cnp.PyArray_TYPE(buf) == cnp.NPY_DOUBLE:
+            ok = gc_finite_d(<double*>p, m)
+        else:
+            ok = gc_finite_f(<float*>p, m)
+    return ok != 0
 
 
 cdef inline bint _same_shape(cnp.ndarray a, cnp.ndarray b):
@@ -273,6 +257,7 @@ def accumulate_fast(object acc, object x, object scale, object divisor, bint che
     cdef cnp.ndarray a
     cdef int typenum
     cdef Py_ssize_t m
+    cdef bint doscale = scale is not None
     if not cnp.PyArray_CheckExact(acc):
         return None
     a = <cnp.ndarray>acc
@@ -284,96 +269,116 @@ def accumulate_fast(object acc, object x, object scale, object divisor, bint che
         return None
     if divisor is not None and divisor == 0:
         return None
-    return accumulate(a, <cnp.ndarray>x, scale, divisor, check)
+    return _run_accumulate(a, <cnp.ndarray>x, scale if doscale else 1.0, doscale,
+                           divisor if divisor is not None else 1.0, check)
 
 
-# -- low-precision kernels (same bits as lowp_reference.py; see numba_lowp.py for the rules) --------
+# -- low-precision kernels (same bits as lowp_reference.py; the loops are in _fused.h) -----------------------
 
-cdef inline uint16_t _enc_bf16(uint32_t u) noexcept nogil:
-    if (u & 0x7FFFFFFFu) > 0x7F800000u:
-        return <uint16_t>((u >> 16) | 0x0040u)  # NaN: keep sign and top payload, quiet it
-    return <uint16_t>((u + 0x7FFFu + ((u >> 16) & 1u)) >> 16)
+cdef bint _encode(cnp.ndarray src, cnp.ndarray dst, bint fp16):
+    cdef Py_ssize_t m = cnp.PyArray_SIZE(src)
+    cdef uint32_t* u = <uint32_t*>cnp.PyArray_DATA(src)
+    cdef uint16_t* w = <uint16_t*>cnp.PyArray_DATA(dst)
+    cdef int ok
+    if m < NOGIL_ELEMS:
+        ok = gc_encode_fp16(u, w, m) if fp16 else gc_encode_bf16(u, w, m)
+    else:
+        with nogil:
+            ok = gc_encode_fp16(u, w, m) if fp16 else gc_encode_bf16(u, w, m)
+    return ok != 0
 
 
-cdef inline uint16_t _enc_fp16(uint32_t u) noexcept nogil:
-    cdef uint32_t sign = (u >> 16) & 0x8000u
-    cdef uint32_t a = u & 0x7FFFFFFFu
-    cdef uint32_t shift, mant, r, rem, half, odd
-    if a >= 0x47800000u:  # >= 65536, Inf or NaN
-        if a > 0x7F800000u:
-            return <uint16_t>(sign | 0x7E00u | ((a & 0x007FFFFFu) >> 13))
-        return <uint16_t>(sign | 0x7C00u)
-    if a < 0x38800000u:  # half subnormal (or zero): shift the significand, round half to even
-        if a <= 0x33000000u:
-            return <uint16_t>sign
-        shift = 126u - (a >> 23)
-        mant = (a & 0x007FFFFFu) | 0x00800000u
-        r = mant >> shift
-        rem = mant & ((1u << shift) - 1u)
-        half = 1u << (shift - 1u)
-        if rem > half or (rem == half and (r & 1u) != 0):
-            r += 1u
-        return <uint16_t>(sign | r)
-    odd = (a >> 13) & 1u
-    a = a - 0x38000000u + 0xFFFu + odd  # rebias 127 -> 15, round half to even
-    return <uint16_t>(sign | (a >> 13))  # a carry into the exponent gives Inf at 65520
+cdef bint _lowp_acc(cnp.ndarray acc, cnp.ndarray src, cnp.ndarray table, bint fp16, double divisor, bint dodiv,
+                    bint decode_only):
+    cdef Py_ssize_t m = cnp.PyArray_SIZE(acc)
+    cdef float* a = <float*>cnp.PyArray_DATA(acc)
+    cdef uint16_t* w = <uint16_t*>cnp.PyArray_DATA(src)
+    cdef float* t = <float*>cnp.PyArray_DATA(table)
+    cdef double f
+    cdef int mode = _finish(divisor if dodiv else 1.0, &f)
+    cdef int ok
+    if mode == GC_MUL and not (1.1754943508222875e-38 <= f <= 1.7014118346046923e+38):
+        mode, f = GC_DIV, divisor
+    if m < NOGIL_ELEMS:
+        ok = gc_acc_fp16(a, w, t, m, <float>f, mode, decode_only) if fp16 else gc_acc_bf16(a, w, m, <float>f, mode, decode_only)
+    else:
+        with nogil:
+            ok = (gc_acc_fp16(a, w, t, m, <float>f, mode, decode_only) if fp16
+                  else gc_acc_bf16(a, w, m, <float>f, mode, decode_only))
+    return ok != 0
 
 
 def lowp_encode(cnp.ndarray src, cnp.ndarray dst, bint fp16):
     """float32 ``src`` -> uint16 ``dst``; True when every encoded value is finite."""
-    cdef Py_ssize_t m = cnp.PyArray_SIZE(src), i
-    cdef uint32_t* u = <uint32_t*>cnp.PyArray_DATA(src)
-    cdef uint16_t* w = <uint16_t*>cnp.PyArray_DATA(dst)
-    cdef uint32_t flag = 0
-    cdef uint16_t v
-    with nogil:
-        if fp16:
-            for i in range(m):
-                v = _enc_fp16(u[i])
-                w[i] = v
-                flag |= (<uint32_t>v & 0x7C00u) + 0x0400u
-        else:
-            for i in range(m):
-                v = _enc_bf16(u[i])
-                w[i] = v
-                flag |= (<uint32_t>v & 0x7F80u) + 0x0080u
-    return (flag & 0x8000u) == 0
+    return _encode(src, dst, fp16)
 
 
 def lowp_accumulate(cnp.ndarray acc, cnp.ndarray src, cnp.ndarray table, bint fp16, double divisor, bint dodiv,
                     bint decode_only):
     """``acc += decode(src)`` (``acc = decode(src)`` with ``decode_only``), then ``/= divisor``; True when finite."""
-    cdef Py_ssize_t m = cnp.PyArray_SIZE(acc), lo = 0, hi, i, k
-    cdef float* a = <float*>cnp.PyArray_DATA(acc)
-    cdef uint16_t* w = <uint16_t*>cnp.PyArray_DATA(src)
-    cdef float* t = <float*>cnp.PyArray_DATA(table)
-    cdef float d = <float>divisor
-    cdef float x
-    cdef uint32_t b
-    cdef bint ok = True
-    with nogil:
-        while lo < m:
-            hi = lo + BLOCK
-            if hi > m:
-                hi = m
-            k = hi - lo
-            for i in range(lo, hi):
-                if fp16:
-                    x = t[w[i]]
-                else:
-                    b = (<uint32_t>w[i]) << 16
-                    memcpy(&x, &b, 4)
-                if decode_only:
-                    a[i] = x
-                else:
-                    a[i] = a[i] + x
-            if dodiv:
-                for i in range(lo, hi):
-                    a[i] = a[i] / d
-            if not _block_finite[float](a + lo, k):
-                ok = False
-            lo = hi
-    return ok
+    return _lowp_acc(acc, src, table, fp16, divisor, dodiv, decode_only)
+
+
+cdef object _fp16_table = None
+
+
+def set_fp16_table(cnp.ndarray table):
+    """Keep the float32 value of every fp16 bit pattern (``lowp_reference.fp16_table``) for the fast entries."""
+    global _fp16_table
+    _fp16_table = table
+
+
+cdef inline int _wire_code(object wire):
+    """0 for bf16, 1 for fp16, -1 for anything else (the facade then explains)."""
+    if wire == "bf16":
+        return 0
+    if wire == "fp16":
+        return 1
+    return -1
+
+
+def lowp_encode_fast(object src, object dst, object wire, bint check, Py_ssize_t limit):
+    """Fast path of ``encode_wire``: a plain float32 ``src`` of at most ``limit`` elements, a plain writeable
+    uint16 ``dst`` of the same size (or None). Returns ``dst``, False when an encoded value is Inf/NaN
+    (``dst`` filled), or None when the fast path does not apply."""
+    cdef cnp.ndarray a, w
+    cdef Py_ssize_t m
+    cdef int code = _wire_code(wire)
+    if code < 0 or not cnp.PyArray_CheckExact(src):
+        return None
+    a = <cnp.ndarray>src
+    m = cnp.PyArray_SIZE(a)
+    if m > limit or not _plain_float_array(a, cnp.NPY_FLOAT, m):
+        return None
+    if dst is None:
+        w = cnp.PyArray_EMPTY(cnp.PyArray_NDIM(a), cnp.PyArray_DIMS(a), cnp.NPY_UINT16, 0)
+    elif not (cnp.PyArray_CheckExact(dst) and cnp.PyArray_TYPE(<cnp.ndarray>dst) == cnp.NPY_UINT16
+              and cnp.PyArray_ISCARRAY(<cnp.ndarray>dst) and cnp.PyArray_SIZE(<cnp.ndarray>dst) == m):
+        return None
+    else:
+        w = <cnp.ndarray>dst
+    return w if _encode(a, w, code == 1) or not check else False
+
+
+def lowp_accumulate_fast(object acc, object x, object wire, object divisor, bint check, Py_ssize_t limit):
+    """Fast path of ``accumulate_wire``: a plain writeable float32 ``acc`` of at most ``limit`` elements and a
+    plain uint16 ``x`` of the same size. Returns True/False (finite or not) or None when it does not apply."""
+    cdef cnp.ndarray a, w
+    cdef Py_ssize_t m
+    cdef double d
+    cdef int code = _wire_code(wire)
+    if code < 0 or _fp16_table is None or not cnp.PyArray_CheckExact(acc) or not cnp.PyArray_CheckExact(x):
+        return None
+    if divisor is not None and divisor == 0:
+        return None
+    a = <cnp.ndarray>acc
+    w = <cnp.ndarray>x
+    m = cnp.PyArray_SIZE(a)
+    if (m > limit or cnp.PyArray_TYPE(a) != cnp.NPY_FLOAT or not cnp.PyArray_ISCARRAY(a)
+            or cnp.PyArray_TYPE(w) != cnp.NPY_UINT16 or not cnp.PyArray_ISCARRAY_RO(w) or cnp.PyArray_SIZE(w) != m):
+        return None
+    d = 1.0 if divisor is None else <double>divisor
+    return _lowp_acc(a, w, <cnp.ndarray>_fp16_table, code == 1, d, d != 1.0, False) or not check
 
 
 # -- the selection policy's view of GRADCOLL_KERNELS (gradcoll/kernels/select.py) ---------------------------

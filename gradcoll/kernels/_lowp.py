@@ -19,7 +19,7 @@ from ..errors import NonFiniteError, UsageError
 from . import lowp_reference, reference
 from ._validate import is_device
 from .protocol import LowpKernels
-from .select import resolve
+from .select import fast_path, resolve
 
 __all__ = ["WIRE_DTYPES", "encode_wire", "decode_wire", "accumulate_wire", "reference_wire"]
 
@@ -56,6 +56,11 @@ def encode_wire(src: Any, dst: Any = None, wire: str = "bf16", *, check_finite: 
     Raises [`NonFiniteError`][gradcoll.errors.NonFiniteError] if an encoded value is Inf/NaN, including
     a finite float32 that overflows the wire format (never sent as Inf).
     """
+    fast = fast_path("lowp", backend)
+    if fast is not None:  # plain arrays: validated and encoded in one C call
+        res = fast[0](src, dst, wire, check_finite, fast[2])
+        if res is not None and res is not False:
+            return res
     _check_wire(wire)
     if is_device(src):
         return resolve("lowp", device=True, backend=backend).lowp_encode_device(src, dst, wire, check_finite)
@@ -84,6 +89,13 @@ def decode_wire(src: Any, dst: Any = None, wire: str = "bf16", *, backend: str |
 def accumulate_wire(acc: Any, x: Any, wire: str, *, divide_by: float | None = None, check_finite: bool = True,
                     backend: str | LowpKernels | None = None) -> Any:
     """Fused ``acc += decode(x)`` in float32, then ``acc /= divide_by``, with the finite check; returns ``acc``."""
+    fast = fast_path("lowp", backend)
+    if fast is not None:
+        res = fast[1](acc, x, wire, divide_by, check_finite, fast[2])
+        if res is True:
+            return acc
+        if res is False:  # acc already holds the sum: explain, do not add again
+            _raise_accumulate(acc.reshape(-1), x.reshape(-1), wire)
     _check_wire(wire)
     if divide_by is not None and divide_by == 0:
         raise UsageError("divide_by must be non-zero")
@@ -96,7 +108,11 @@ def accumulate_wire(acc: Any, x: Any, wire: str, *, divide_by: float | None = No
     if not a.flags.writeable:
         raise UsageError("accumulate_wire: acc must be writeable")
     if not resolve("lowp", a.size, backend=backend).lowp_accumulate(a, w, wire, divide_by, check_finite):
-        dec = np.empty(w.size, np.float32)
-        lowp_reference.lowp_decode(w, dec, wire)
-        reference.raise_accumulate(a, dec)
+        _raise_accumulate(a, w, wire)
     return acc
+
+
+def _raise_accumulate(a: np.ndarray, w: np.ndarray, wire: str) -> None:
+    dec = np.empty(w.size, np.float32)
+    lowp_reference.lowp_decode(w, dec, wire)
+    reference.raise_accumulate(a, dec)

@@ -17,8 +17,9 @@ from .lowp_reference import fp16_table
 NAME = "cython"
 
 _ck = load()
-if not hasattr(_ck, "lowp_encode"):  # an extension built before these kernels existed
+if not hasattr(_ck, "lowp_encode_fast"):  # an extension built before these kernels existed
     raise ImportError("the compiled extension has no low-precision kernels: rebuild it (pip install -e .)")
+_ck.set_fp16_table(fp16_table())  # for the validating entries of the fast path (gradcoll.kernels.select)
 
 
 def lowp_encode(src: np.ndarray, dst: np.ndarray, wire: str, check: bool) -> bool:

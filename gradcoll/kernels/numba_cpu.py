@@ -1,227 +1,136 @@
 """The ``numba`` backend: JIT-compiled CPU kernels, threaded for large buffers.
 
 Kernels are plain ``@njit`` functions compiled lazily on first use (or by
-``warmup``) and cached on disk (``cache=True``). They never use
-``fastmath``: its ``nnan``/``ninf`` flags let LLVM assume that no NaN or Inf
-exists and delete the finite check.
+``warmup``) and cached on disk (``cache=True``). Each body is written once and
+compiled twice, serial and ``parallel=True``: ``prange`` is ``range`` in the
+serial one, and Numba splits the range into one contiguous piece per thread,
+so the additions for any element are the same whatever the thread count.
 
-Memory is walked in blocks of ``BLOCK`` elements. For one block, the
-contributions are added in order 0..n-1 into the output (the block stays in
-L1/L2 between passes, so DRAM sees each input once and the output once), the
-block is divided, and its exponent bits are OR-ed together: a branch-free
-integer reduction that LLVM vectorises without fastmath, tested once per
-block. Threads split the blocks; the order of additions for any element is the
-same whatever the thread count, so results are bit-identical to the serial
-kernel, the Cython kernels and the NumPy reference.
+One pass, the shape of the loop a user writes (docs/kernels.md, "Why the
+kernels were slow"): for each element, the inputs of a tuple of 1-D arrays are
+summed in registers in order 0..n-1, the sum is divided (or multiplied by the
+reciprocal when that is exact: a power of two, the same bits) and stored once.
+The finite check is ``not (abs(s) <= big)``, ``big`` the largest finite value:
+one ordered comparison, False for NaN and for both infinities, counted into
+an integer. It vectorises without ``fastmath``, which is never used: its
+``nnan``/``ninf`` flags would let LLVM delete exactly this test, and no other
+flag is safe either (``reassoc`` reorders the sum, ``contract`` fuses
+multiply-adds, ``arcp`` turns the division into a multiplication, ``nsz``
+may flip the sign of a zero).
+
+At most ``GROUP`` inputs go into one pass: LLVM vectorises a loop only after
+proving, at run time, that the output overlaps no input, and it gives up
+beyond 8 such checks. More inputs are added in further passes that read the
+running sum back from the output (the same order of additions).
 """
 
 from __future__ import annotations
 
 from collections.abc import Sequence
+from typing import Any
 
 import numpy as np
 from numba import njit, prange
 
 from . import reference
+from .reference import DIV, MUL, NONE, finish
 
 NAME = "numba"
 
-#: Elements per block: 4096 float32 = 16 KiB of output per block (L1-resident).
-BLOCK = 4096
 #: From this many output elements on, the threaded kernels are used (measured).
 PARALLEL_ELEMS = 1 << 16
-
-_M32 = np.uint32(0x7F800000)
-_C32 = np.uint32(0x00800000)
-_T32 = np.uint32(0x80000000)
-_M64 = np.uint64(0x7FF0000000000000)
-_C64 = np.uint64(0x0010000000000000)
-_T64 = np.uint64(0x8000000000000000)
+#: Inputs summed in one pass (LLVM's limit on run-time alias checks, module docstring).
+GROUP = 8
+#: Elements per block: a thread takes a contiguous run of blocks; each block ORs its own finite flag.
+BLOCK = 16384
 
 
-@njit(cache=True, fastmath=False, inline="always")
-def _finite(o):
-    """True when ``o`` (a block) holds no NaN/Inf: exponent-bit OR, no branch per element."""
-    if o.itemsize == 4:
-        b = o.view(np.uint32)
-        m = np.uint32(0)
-        for i in range(b.shape[0]):
-            m |= (b[i] & _M32) + _C32
-        return (m & _T32) == 0
-    else:
-        b = o.view(np.uint64)
-        m = np.uint64(0)
-        for i in range(b.shape[0]):
-            m |= (b[i] & _M64) + _C64
-        return (m & _T64) == 0
 
-
-@njit(cache=True, fastmath=False, inline="always")
-def _block_finite(out, lo, hi):
-    return _finite(out[lo:hi])
-
-
-# The block bodies index 1-D slices with 0-based counters: plain ``out[i]``
-# over ``range(lo, hi)`` on the full arrays keeps bounds/wraparound logic in
-# the loop and LLVM then refuses to vectorise it (measured 4x slower).
-@njit(cache=True, fastmath=False, inline="always")
-def _reduce_block(x, out, lo, hi, divisor, dodiv):
-    n = x.shape[0]
-    o = out[lo:hi]
-    k = hi - lo
-    x0 = x[0, lo:hi]
-    for i in range(k):
-        o[i] = x0[i]
-    for j in range(1, n):
-        xj = x[j, lo:hi]
-        for i in range(k):
-            o[i] += xj[i]
-    if dodiv:
-        d = o.dtype.type(divisor)
-        for i in range(k):
-            o[i] = o[i] / d
-
-
-@njit(cache=True, fastmath=False, inline="always")
-def _reduce_block_t(xs, out, lo, hi, divisor, dodiv):
+def _sum(xs, out, f, mode, big):
+    """out = finish(xs[0] + ... + xs[n-1]); the number of blocks holding a non-finite result."""
     n = len(xs)
-    o = out[lo:hi]
-    k = hi - lo
-    x0 = xs[0][lo:hi]
-    for i in range(k):
-        o[i] = x0[i]
-    for j in range(1, n):
-        xj = xs[j][lo:hi]
-        for i in range(k):
-            o[i] += xj[i]
-    if dodiv:
-        d = o.dtype.type(divisor)
-        for i in range(k):
-            o[i] = o[i] / d
-
-
-@njit(cache=True, fastmath=False)
-def reduce2d_serial(x, out, divisor, dodiv, check):
-    """Serial fixed-order reduce of the rows of 2-D ``x`` into ``out``; True when finite."""
     m = out.shape[0]
-    ok = True
-    for lo in range(0, m, BLOCK):
-        hi = min(lo + BLOCK, m)
-        _reduce_block(x, out, lo, hi, divisor, dodiv)
-        if check and not _block_finite(out, lo, hi):
-            ok = False
-    return ok
-
-
-@njit(cache=True, fastmath=False, parallel=True)
-def reduce2d_parallel(x, out, divisor, dodiv, check):
-    """Threaded version of ``reduce2d_serial`` (same bits)."""
-    m = out.shape[0]
-    nblocks = (m + BLOCK - 1) // BLOCK
     bad = 0
-    for b in prange(nblocks):
-        lo = b * BLOCK
-        hi = min(lo + BLOCK, m)
-        _reduce_block(x, out, lo, hi, divisor, dodiv)
-        if check and not _block_finite(out, lo, hi):
-            bad += 1
-    return bad == 0
+    for b in prange((m + BLOCK - 1) // BLOCK):
+        lo, hi = np.uint64(b * BLOCK), np.uint64(min(m, (b + 1) * BLOCK))  # unsigned: no negative-index fix-up
+        flag = False
+        for i in range(lo, hi):
+            s = out.dtype.type(xs[0][i])
+            for j in range(1, n):
+                s += xs[j][i]
+            if mode == MUL:
+                s = s * f
+            elif mode == DIV:
+                s = s / f
+            out[i] = s
+            flag |= not (abs(s) <= big)
+        bad += flag
+    return bad
 
 
-@njit(cache=True, fastmath=False)
-def reduce_tuple_serial(xs, out, divisor, dodiv, check):
-    """Serial fixed-order reduce of a tuple of 1-D arrays into ``out``."""
+def _sum_into(xs, out, f, mode, big):
+    """out = finish(out + xs[0] + ... + xs[n-1]): a further pass over more inputs."""
+    n = len(xs)
     m = out.shape[0]
-    ok = True
-    for lo in range(0, m, BLOCK):
-        hi = min(lo + BLOCK, m)
-        _reduce_block_t(xs, out, lo, hi, divisor, dodiv)
-        if check and not _block_finite(out, lo, hi):
-            ok = False
-    return ok
-
-
-@njit(cache=True, fastmath=False, parallel=True)
-def reduce_tuple_parallel(xs, out, divisor, dodiv, check):
-    """Threaded version of ``reduce_tuple_serial`` (same bits)."""
-    m = out.shape[0]
-    nblocks = (m + BLOCK - 1) // BLOCK
     bad = 0
-    for b in prange(nblocks):
-        lo = b * BLOCK
-        hi = min(lo + BLOCK, m)
-        _reduce_block_t(xs, out, lo, hi, divisor, dodiv)
-        if check and not _block_finite(out, lo, hi):
-            bad += 1
-    return bad == 0
+    for b in prange((m + BLOCK - 1) // BLOCK):
+        lo, hi = np.uint64(b * BLOCK), np.uint64(min(m, (b + 1) * BLOCK))
+        flag = False
+        for i in range(lo, hi):
+            s = out[i]
+            for j in range(n):
+                s += xs[j][i]
+            if mode == MUL:
+                s = s * f
+            elif mode == DIV:
+                s = s / f
+            out[i] = s
+            flag |= not (abs(s) <= big)
+        bad += flag
+    return bad
 
 
-@njit(cache=True, fastmath=False, inline="always")
-def _acc_block(acc, x, lo, hi, scale, doscale, divisor, dodiv):
-    a = acc[lo:hi]
-    b = x[lo:hi]
-    k = hi - lo
-    for i in range(k):
-        a[i] += b[i]
-    if dodiv:
-        d = a.dtype.type(divisor)
-        for i in range(k):
-            a[i] = a[i] / d
-    if doscale:
-        s = a.dtype.type(scale)
-        for i in range(k):
-            a[i] = a[i] * s
-
-
-@njit(cache=True, fastmath=False)
-def accumulate_serial(acc, x, scale, doscale, divisor, dodiv, check):
-    """In place ``acc += x`` (then divide/scale) with the block finite check."""
+def _accumulate(acc, x, f, mode, sc, doscale, big):
+    """acc = scale(finish(acc + x)); the number of blocks holding a non-finite result."""
     m = acc.shape[0]
-    ok = True
-    for lo in range(0, m, BLOCK):
-        hi = min(lo + BLOCK, m)
-        _acc_block(acc, x, lo, hi, scale, doscale, divisor, dodiv)
-        if check and not _block_finite(acc, lo, hi):
-            ok = False
-    return ok
-
-
-@njit(cache=True, fastmath=False, parallel=True)
-def accumulate_parallel(acc, x, scale, doscale, divisor, dodiv, check):
-    """Threaded version of ``accumulate_serial``."""
-    m = acc.shape[0]
-    nblocks = (m + BLOCK - 1) // BLOCK
     bad = 0
-    for b in prange(nblocks):
-        lo = b * BLOCK
-        hi = min(lo + BLOCK, m)
-        _acc_block(acc, x, lo, hi, scale, doscale, divisor, dodiv)
-        if check and not _block_finite(acc, lo, hi):
-            bad += 1
-    return bad == 0
+    for b in prange((m + BLOCK - 1) // BLOCK):
+        lo, hi = np.uint64(b * BLOCK), np.uint64(min(m, (b + 1) * BLOCK))
+        flag = False
+        for i in range(lo, hi):
+            s = acc[i] + x[i]
+            if mode == MUL:
+                s = s * f
+            elif mode == DIV:
+                s = s / f
+            if doscale:
+                s = s * sc
+            acc[i] = s
+            flag |= not (abs(s) <= big)
+        bad += flag
+    return bad
 
 
-@njit(cache=True, fastmath=False)
-def finite_serial(buf):
-    """True when every element of ``buf`` is finite."""
+def _count_nonfinite(buf, big):
     m = buf.shape[0]
-    for lo in range(0, m, BLOCK):
-        if not _block_finite(buf, lo, min(lo + BLOCK, m)):
-            return False
-    return True
-
-
-@njit(cache=True, fastmath=False, parallel=True)
-def finite_parallel(buf):
-    """Threaded ``finite_serial``."""
-    m = buf.shape[0]
-    nblocks = (m + BLOCK - 1) // BLOCK
     bad = 0
-    for b in prange(nblocks):
-        lo = b * BLOCK
-        if not _block_finite(buf, lo, min(lo + BLOCK, m)):
-            bad += 1
-    return bad == 0
+    for b in prange((m + BLOCK - 1) // BLOCK):
+        flag = False
+        for i in range(np.uint64(b * BLOCK), np.uint64(min(m, (b + 1) * BLOCK))):
+            flag |= not (abs(buf[i]) <= big)
+        bad += flag
+    return bad
+
+
+def _two(body):  # the serial and the threaded compilation of one body
+    return (njit(cache=True, fastmath=False, nogil=True)(body),
+            njit(cache=True, fastmath=False, nogil=True, parallel=True)(body))
+
+
+sum_serial, sum_parallel = _two(_sum)
+sum_into_serial, sum_into_parallel = _two(_sum_into)
+accumulate_serial, accumulate_parallel = _two(_accumulate)
+finite_serial, finite_parallel = _two(_count_nonfinite)
 
 
 @njit(cache=True, fastmath=False, parallel=True)
@@ -232,40 +141,54 @@ def scale_parallel(buf, factor):
         buf[i] = buf[i] * f
 
 
-#: Tuples longer than this are stacked instead (one specialisation per length).
-MAX_TUPLE = 16
+def _big(dtype: np.dtype) -> Any:
+    """The largest finite value of ``dtype``: ``abs(s) <= big`` is False exactly for NaN and the infinities."""
+    return dtype.type(np.finfo(dtype).max)
 
 
-def reduce_rows(rows: Sequence[np.ndarray] | np.ndarray, out: np.ndarray, acc_dtype: np.dtype, divisor: float, check: bool) -> bool:
+def _tuples(rows: Sequence[np.ndarray]) -> list[tuple[np.ndarray, ...]]:
+    """The inputs in passes of at most GROUP (the first) and GROUP - 1 (the rest: the output is read too)."""
+    if not all(r.flags.writeable for r in rows):  # one array type for the tuple: all read-only views
+        rows = [_readonly(r) for r in rows]
+    out = [tuple(rows[:GROUP])]
+    out += [tuple(rows[lo:lo + GROUP - 1]) for lo in range(GROUP, len(rows), GROUP - 1)]
+    return out
+
+
+def _readonly(a: np.ndarray) -> np.ndarray:
+    v: np.ndarray = a.view()
+    v.flags.writeable = False
+    return v
+
+
+def reduce_rows(rows: Sequence[np.ndarray] | np.ndarray, out: np.ndarray, acc_dtype: np.dtype, divisor: float,
+                check: bool) -> bool:
     """Fixed-order reduce of ``rows`` (2-D array or list of 1-D arrays) into ``out``."""
-    par = out.shape[0] >= PARALLEL_ELEMS
-    dodiv = divisor != 1
     target = reference.accumulator(out, acc_dtype)
-    if isinstance(rows, np.ndarray):
-        fn = reduce2d_parallel if par else reduce2d_serial
-        ok = fn(rows, target, float(divisor), dodiv, check)
-    elif len(rows) <= MAX_TUPLE:
-        fn = reduce_tuple_parallel if par else reduce_tuple_serial
-        ok = fn(tuple(rows), target, float(divisor), dodiv, check)
-    else:
-        fn = reduce2d_parallel if par else reduce2d_serial
-        ok = fn(np.stack(rows), target, float(divisor), dodiv, check)
-    return reference.store(out, target, ok, check)
+    mode, f = finish(divisor, target.dtype)
+    fac, big = target.dtype.type(f), _big(target.dtype)
+    par = target.shape[0] >= PARALLEL_ELEMS
+    passes = _tuples(list(rows))
+    bad = 0
+    for k, xs in enumerate(passes):
+        fn = (sum_parallel if par else sum_serial) if k == 0 else (sum_into_parallel if par else sum_into_serial)
+        bad = fn(xs, target, fac, mode if k == len(passes) - 1 else NONE, big)  # a NaN of a pass reaches the last
+    return reference.store(out, target, bad == 0 or not check, check)
 
 
 def accumulate(acc: np.ndarray, x: np.ndarray, scale: float | None, divisor: float | None, check: bool) -> bool:
     """In place ``acc += x`` with optional divide/scale; True when finite."""
+    mode, f = finish(divisor, acc.dtype)
+    t = acc.dtype.type
     fn = accumulate_parallel if acc.shape[0] >= PARALLEL_ELEMS else accumulate_serial
-    doscale = scale is not None
-    dodiv = divisor is not None and divisor != 1
-    factor = float(scale) if scale is not None else 1.0
-    div = float(divisor) if divisor is not None and dodiv else 1.0
-    return bool(fn(acc, x, factor, doscale, div, dodiv, check))
+    bad = fn(acc, x, t(f), mode, t(scale if scale is not None else 1.0), scale is not None, _big(acc.dtype))
+    return bad == 0 or not check
 
 
 def is_all_finite(buf: np.ndarray) -> bool:
     """True when every element is finite."""
-    return bool(finite_parallel(buf) if buf.shape[0] >= PARALLEL_ELEMS else finite_serial(buf))
+    fn = finite_parallel if buf.shape[0] >= PARALLEL_ELEMS else finite_serial
+    return bool(fn(buf, _big(buf.dtype)) == 0)
 
 
 def scale(buf: np.ndarray, factor: float) -> None:
@@ -274,16 +197,16 @@ def scale(buf: np.ndarray, factor: float) -> None:
 
 
 def warmup() -> None:
-    """Compile the common specialisations (float32/float64, 2-D and 2-8 tuples, serial and threaded),
+    """Compile the common specialisations (float32/float64, 2-D and 2-8 inputs, serial and threaded),
     and those of the low-precision and exact kernels."""
     for dt in (np.float32, np.float64):
         for m in (8, PARALLEL_ELEMS):
             x = np.ones((2, m), dt)
             out = np.empty(m, dt)
-            reduce_rows(x, out, np.dtype(dt), 2, True)
-            for n in (2, 3, 4, 8):
+            for n in (2, 3, 4, 8, 9):
                 reduce_rows([x[0]] * n, out, np.dtype(dt), n, True)
             accumulate(out, x[0], None, 2, True)
+            accumulate(out, x[0], 0.5, None, True)
             is_all_finite(out)
             scale(out, 1.0)
         reduce_rows(np.ones((2, 8), np.float32), np.empty(8, np.float64), np.dtype(np.float64), 2, True)

@@ -18,7 +18,10 @@ import numpy as np
 from ..errors import NonFiniteError
 
 __all__ = ["reduce_rows", "accumulator", "store", "accumulate", "is_all_finite", "locate_nonfinite", "raise_nonfinite", "raise_accumulate",
-           "raise_finite", "first_bad"]
+           "raise_finite", "first_bad", "finish", "NONE", "MUL", "DIV"]
+
+#: How a compiled kernel finishes a result (``finish``): as it is, times an exact reciprocal, or divided.
+NONE, MUL, DIV = 0, 1, 2
 
 
 def reduce_rows(
@@ -153,3 +156,18 @@ def raise_finite(a: np.ndarray) -> None:
     i = first_bad(a)
     raise NonFiniteError(f"check_finite: non-finite value {float(a[i])!r} at element {i}", contributor=0, index=i,
                          value=float(a[i]))
+
+
+def finish(divisor: float | None, dtype: np.dtype) -> tuple[int, float]:
+    """How a compiled kernel divides by ``divisor`` in ``dtype``: (mode, factor), a multiplication when exact.
+
+    x * 2**-k and x / 2**k are the same correctly rounded number, subnormal results included; any other
+    divisor is divided by, as the NumPy reference does.
+    """
+    if divisor is None or divisor == 1:
+        return NONE, 1.0
+    mant, exp = np.frexp(float(divisor))
+    lim = 126 if dtype == np.float32 else 1022
+    if mant == 0.5 and -lim < exp <= lim:
+        return MUL, 1.0 / float(divisor)
+    return DIV, float(divisor)

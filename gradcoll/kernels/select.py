@@ -21,7 +21,7 @@ first that implements the kind on this machine runs (a single name that does not
 |---|---|---|---|---|---|---|
 | reduce, accumulate, finite, scale | cython, numba, numpy | numba, cython, numpy | cython | numba | numpy | that one |
 | the same on float16 (not reduce) | numpy | numpy | numpy | numpy | numpy | numpy |
-| lowp | numba, numpy | numba, numpy | cython, numba, numpy | numba, numpy | numpy | that one |
+| lowp | cython, numba, numpy | cython, numba, numpy | cython, numba, numpy | numba, numpy | numpy | that one |
 | exact | numba, numpy | numba, numpy | numba, numpy | numba, numpy | numpy | numba, numpy |
 
 Device arrays go to ``cuda``, else ``cudasim`` (``GRADCOLL_KERNELS`` naming a
@@ -29,24 +29,29 @@ host backend does not apply to them); ``backend="cuda"`` or ``"cudasim"``
 picks one, and a host backend named in ``backend=`` is a
 [`UsageError`][gradcoll.errors.UsageError].
 
-Why: the Cython kernels have the lowest per-call cost (no JIT dispatch), so
-they win below ``SMALL_ELEMS`` output elements; above it the Numba kernels
-(threaded from their own ``PARALLEL_ELEMS``) do (measured on the 2-core CI
-machine, docs/performance.md). The compiled kernels take float32 and float64
-only, so half buffers go to NumPy (``mean_reduce`` widens half inputs to
-float32 first). Low precision runs the threaded Numba kernels unless
-``cython`` is asked for (serial: what a process group uses, one thread per
-rank); there are no Cython or CUDA exact kernels, and a process group passes
-its ``kernel_backend`` to every collective, so ``lowp`` with ``cython`` and
-``exact`` fall back, to the Numba kernels and then the NumPy reference, which
-give the same bits.
+Why: the Cython kernels (serial, the same one-pass loops as Numba's) have
+the lowest per-call cost (no JIT dispatch), so they win up to ``SMALL_ELEMS``
+output elements; above it the threaded Numba kernels do, both cores working
+(measured on the 2-core CI machine, docs/performance.md). The low-precision
+kernels are the exception: the compiled ones convert 8 or 16 values per
+instruction (F16C, AVX2) and, serial, ran 1.2-17x faster than the threaded
+Numba ones at 1e6 and 1e7 elements, so the automatic choice takes them at
+every size. A process group
+names ``cython`` (its ``kernel_backend``): every rank is a process on its
+own core, and threads would only compete for them. The compiled kernels
+take float32 and float64 only, so half buffers go to NumPy (``mean_reduce``
+widens half inputs to float32 first). There are no Cython or CUDA exact
+kernels, and a process group passes its ``kernel_backend`` to every
+collective, so ``exact`` falls back, to the Numba kernels and then the NumPy
+reference, which give the same bits.
 
-Fast path: where the table picks ``cython`` for ``reduce`` or
-``accumulate``, the facade first offers the call to the extension's
-validating entry ([`fast_path`][gradcoll.kernels.select.fast_path]): one C
-call that checks plain arrays and reduces them (about 1 us for 1,000
-elements); anything it does not take (a 2-D input, float16, a non-contiguous
-array, a NaN to explain) goes the general way, through the same table.
+Fast path: where the table picks ``cython`` for ``reduce``, ``accumulate``
+or ``lowp`` (``encode_wire``, ``accumulate_wire``), the facade first offers
+the call to the extension's validating entry
+([`fast_path`][gradcoll.kernels.select.fast_path]): one C call that checks
+plain arrays and runs the kernel (under 1 us for 1,000 elements); anything
+it does not take (a 2-D input, float16, a non-contiguous array, a NaN to
+explain) goes the general way, through the same table.
 
 ``GRADCOLL_KERNELS`` is read on every call, so a test can set it and get that
 backend. On the hot path it is read with C ``getenv`` (the extension's
@@ -93,8 +98,10 @@ __all__ = [
 BACKENDS = ("cython", "numba", "numpy", "cuda", "cudasim")
 #: The kinds of kernel call (see the module docstring).
 KINDS = ("reduce", "accumulate", "finite", "scale", "lowp", "exact")
-#: Up to this many output elements the automatic choice is Cython (measured).
-SMALL_ELEMS = 16384
+#: Up to this many output elements the automatic choice is Cython (measured: at 1e5 elements the serial
+#: compiled kernels beat the threaded Numba ones, whose per-call cost is several microseconds; at 1e6 two
+#: threads win).
+SMALL_ELEMS = 1 << 18
 
 Chains = tuple[tuple[str, ...], tuple[str, ...]]  # (up to SMALL_ELEMS, larger)
 
@@ -115,7 +122,7 @@ POLICY: dict[str, dict[str | None, Chains]] = {
     "accumulate": _ELEMENTWISE,
     "finite": _ELEMENTWISE,
     "scale": _ELEMENTWISE,
-    "lowp": {None: _TO_NUMBA, "cython": _both("cython", "numba", "numpy"), "numba": _TO_NUMBA,
+    "lowp": {None: _both("cython", "numba", "numpy"), "cython": _both("cython", "numba", "numpy"), "numba": _TO_NUMBA,
              "numpy": _both("numpy"), "cuda": _both("cuda"), "cudasim": _both("cudasim")},
     "exact": {None: _TO_NUMBA, "cython": _TO_NUMBA, "numba": _TO_NUMBA, "numpy": _both("numpy"),
               "cuda": _TO_NUMBA, "cudasim": _TO_NUMBA},
@@ -132,8 +139,9 @@ _MODULES = {
     "lowp": {"numpy": "lowp_reference", "numba": "numba_lowp", "cython": "cython_lowp", "cuda": "cuda", "cudasim": "cuda"},
     "exact": {"numpy": "exact_reference", "numba": "numba_exact"},
 }
-#: The extension's validating entry per kind (see ``fast_path``).
-_FAST = {"reduce": "reduce_fast", "accumulate": "accumulate_fast"}
+#: The extension's validating entries per kind (see ``fast_path``).
+_FAST = {"reduce": ("reduce_fast",), "accumulate": ("accumulate_fast",),
+         "lowp": ("lowp_encode_fast", "lowp_accumulate_fast")}
 _NO_LIMIT = 1 << 62
 
 
@@ -252,44 +260,46 @@ def _pick(kind: str, names: tuple[str, ...], device: bool) -> ModuleType:
     raise BackendUnavailable(f"kernel backend {names[0]!r} is not available here: {first}") from first
 
 
-FastEntry = tuple[Callable[..., Any], int] | None
-_MISS: Any = object()
+FastEntry = tuple[Any, ...] | None  # (entry, ..., the most elements it may take)
 #: kind -> request -> the fast path of ``fast_path`` (filled on first use: the extension loads then).
 _FAST_CACHE: dict[str, dict[str | None, FastEntry]] = {kind: {} for kind in _FAST}
 
 
 def fast_path(kind: str, backend: Any = None) -> FastEntry:
-    """The extension's validating entry for ``kind`` and the most elements it may take, or None.
+    """The extension's validating entries for ``kind`` and the most elements they may take, or None.
 
-    There is one where ``POLICY`` picks ``cython`` for this request and the extension is built: up to
+    ``(reduce_fast, limit)``, ``(accumulate_fast, limit)``, ``(lowp_encode_fast, lowp_accumulate_fast,
+    limit)``. There are some where ``POLICY`` picks ``cython`` for this request and the extension is built: up to
     ``SMALL_ELEMS`` for the automatic choice, any size when ``cython`` is named. The entry returns None for a
     call it does not take, which then goes through ``resolve``. On every small call: two dictionary lookups.
     """
     if backend is None:
         backend = kernels_env()
-    elif not isinstance(backend, str):
+    elif type(backend) is not str:
         return None  # an injected backend gets every call
+    try:
+        return _FAST_CACHE[kind][backend]
+    except KeyError:  # first call for this kind and request (or a kind without a fast path)
+        pass
     cache = _FAST_CACHE.get(kind)
     if cache is None:
         return None
-    entry = cache.get(backend, _MISS)
-    if entry is _MISS:
-        entry = _fast_entry(kind, backend)
-        if backend is None or backend in BACKENDS:  # unknown names are not remembered (resolve rejects them)
-            cache[backend] = entry
-    return entry  # type: ignore[no-any-return]
+    entry = _fast_entry(kind, backend)
+    if backend is None or backend in BACKENDS:  # unknown names are not remembered (resolve rejects them)
+        cache[backend] = entry
+    return entry
 
 
 def _fast_entry(kind: str, backend: str | None) -> FastEntry:
     chains = POLICY[kind].get(backend)
     ext = extension()
-    if chains is None or ext is None or isinstance(_load("cython"), BaseException):
+    if chains is None or ext is None or isinstance(_load("cython", _FAMILY[kind]), BaseException):
         return None
-    fn = getattr(ext, _FAST[kind])
+    fns = tuple(getattr(ext, name) for name in _FAST[kind])
     if chains[1][0] == "cython":
-        return fn, _NO_LIMIT
+        return (*fns, _NO_LIMIT)
     if chains[0][0] == "cython":
-        return fn, SMALL_ELEMS
+        return (*fns, SMALL_ELEMS)
     return None
 
 

@@ -61,7 +61,7 @@ def test_property_matches_reference(n, m, dtype, op, seed):
         assert got.tobytes() == want.tobytes(), be
 
 
-@pytest.mark.parametrize("n", [2, 3, 5])
+@pytest.mark.parametrize("n", [2, 3, 5, 9, 17])
 @pytest.mark.parametrize("m", [1, 5000, 70000])
 def test_numba_lists_and_threads_bit_identical(n, m):
     from gradcoll.kernels import numba_cpu
@@ -70,16 +70,23 @@ def test_numba_lists_and_threads_bit_identical(n, m):
     x = rng.standard_normal((n, m)).astype(np.float32)
     want = oracle(list(x), np.float32)
     assert K.mean_reduce(list(x), backend="numba").tobytes() == want.tobytes()
-    # Serial and threaded kernels, and every thread count, give the same bits.
+    assert K.mean_reduce(x, backend="numba").tobytes() == want.tobytes()  # 2-D: the same passes over its rows
+    # Serial and threaded kernels, and every thread count, give the same bits (n <= GROUP: one pass).
     import numba
 
+    xs = tuple(x[: numba_cpu.GROUP])
     out_s = np.empty(m, np.float32)
     out_p = np.empty(m, np.float32)
-    numba_cpu.reduce2d_serial(x, out_s, float(n), True, True)
+    big = np.float32(np.finfo(np.float32).max)
+    d = np.float32(len(xs))
+    assert numba_cpu.sum_serial(xs, out_s, d, numba_cpu.DIV, big) == 0
+    assert out_s.tobytes() == oracle(list(xs), np.float32).tobytes()
     for t in range(1, numba.config.NUMBA_NUM_THREADS + 1):
         numba.set_num_threads(t)
-        numba_cpu.reduce2d_parallel(x, out_p, float(n), True, True)
-        assert out_p.tobytes() == out_s.tobytes() == want.tobytes()
+        out_p[:] = np.nan
+        assert numba_cpu.sum_parallel(xs, out_p, d, numba_cpu.DIV, big) == 0
+        assert out_p.tobytes() == out_s.tobytes()
+        assert K.mean_reduce(list(x), backend="numba").tobytes() == want.tobytes()
     numba.set_num_threads(numba.config.NUMBA_NUM_THREADS)
 
 

@@ -88,7 +88,8 @@ def test_what_this_machine_runs() -> None:
     assert resolve("reduce", SMALL) is cython_backend and resolve("reduce", LARGE) is numba_cpu
     assert resolve("finite", SMALL) is cython_backend and resolve("scale", LARGE) is numba_cpu
     assert resolve("accumulate", LARGE, half=True) is numpy_backend
-    assert resolve("lowp", SMALL) is numba_lowp and resolve("lowp", SMALL, backend="cython") is cython_lowp
+    assert resolve("lowp", SMALL) is cython_lowp and resolve("lowp", LARGE) is cython_lowp
+    assert resolve("lowp", LARGE, backend="cython") is cython_lowp and resolve("lowp", LARGE, backend="numba") is numba_lowp
     assert resolve("lowp", SMALL, backend="numpy") is lowp_reference
     assert resolve("exact", SMALL) is numba_exact and resolve("exact", SMALL, backend="cython") is numba_exact
     assert resolve("exact", SMALL, backend="numpy") is exact_reference
@@ -142,7 +143,10 @@ def test_fast_path_follows_the_table(monkeypatch: pytest.MonkeyPatch) -> None:
     assert fast_path("accumulate") is not None
     for other in ("numba", "numpy", "cudasim"):
         assert fast_path("reduce", other) is None
-    assert fast_path("finite") is None and fast_path("lowp") is None
+    assert fast_path("finite") is None
+    lowp = fast_path("lowp")
+    assert lowp is not None and len(lowp) == 3 and lowp[2] > 1 << 40  # encode, accumulate, limit: every size
+    assert fast_path("lowp", "numba") is None
     assert fast_path("reduce", object()) is None  # an injected backend gets every call
 
 

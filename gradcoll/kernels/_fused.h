@@ -1,0 +1,431 @@
+/* The fused loops of the compiled extension (_cython_kernels.pyx declares and calls them).
+ *
+ * One pass over memory per call: every input is read once, every output
+ * written once, and the finite check is folded into the same pass. Why this
+ * shape (measured, docs/kernels.md "Why the kernels were slow"):
+ *
+ *  - Inputs are summed in registers, all n streams at once: element i of
+ *    the output is ((x0[i] + x1[i]) + x2[i]) + ... in that order, stored
+ *    once. The former kernels added one input at a time into a block of the
+ *    output, which stored every output element n times and cut each input
+ *    stream into 8 KiB pieces that the hardware prefetcher had to find
+ *    again.
+ *  - The loops are written with GCC/Clang vector types, so the compiler
+ *    does not have to prove that n input pointers do not alias the output
+ *    (it gives up on that beyond a few pointers), and target_clones builds
+ *    an AVX2 version next to the baseline SSE2 one, picked at load time.
+ *  - The finite check ORs the exponent bits of each result vector into a
+ *    flag: ((bits & EXP) + ULP) has its top bit set exactly when the
+ *    exponent is all ones (Inf or NaN). No branch per element; the flag is
+ *    tested once, at the end. A NaN or Inf in any input reaches the sum, and
+ *    so does an overflow, so checking the result checks everything.
+ *  - Outputs too large to stay in cache may be written with non-temporal
+ *    stores (the caller decides, from the size), which skip the read for
+ *    ownership of every output line.
+ *
+ * Bits: only IEEE add, multiply and divide, in the documented order; the
+ * build turns off floating-point contraction (-ffp-contract=off), and a
+ * "multiply" finish is used only when the reciprocal is exact (a power of
+ * two), where it gives the same bits as the division.
+ */
+#ifndef GRADCOLL_FUSED_H
+#define GRADCOLL_FUSED_H
+
+#include <stddef.h>
+#include <stdint.h>
+#include <string.h>
+
+#if defined(__SSE2__)
+#include <emmintrin.h>
+#define GC_HAVE_NT 1
+#else
+#define GC_HAVE_NT 0
+#endif
+
+#if defined(__GNUC__) && defined(__x86_64__) && defined(__linux__) && !defined(__clang__)
+#define GC_CLONES __attribute__((target_clones("avx2", "default")))
+#else
+#define GC_CLONES
+#endif
+
+typedef ptrdiff_t gc_ssize;
+
+/* Finishing step of a reduce or accumulate: none, multiply by an exact reciprocal, or divide. */
+enum { GC_NONE = 0, GC_MUL = 1, GC_DIV = 2 };
+
+#define GC_EXP32 0x7f800000u
+#define GC_ULP32 0x00800000u
+#define GC_TOP32 0x80000000u
+#define GC_EXP64 0x7ff0000000000000ull
+#define GC_ULP64 0x0010000000000000ull
+#define GC_TOP64 0x8000000000000000ull
+
+static inline uint32_t gc_flag32(float v) { uint32_t b; memcpy(&b, &v, 4); return (b & GC_EXP32) + GC_ULP32; }
+static inline uint64_t gc_flag64(double v) { uint64_t b; memcpy(&b, &v, 8); return (b & GC_EXP64) + GC_ULP64; }
+
+#if defined(__GNUC__)
+#define GC_VECTORS 1
+typedef float gc_v8f __attribute__((vector_size(32)));
+typedef uint32_t gc_v8u __attribute__((vector_size(32)));
+typedef int32_t gc_v8i __attribute__((vector_size(32)));
+typedef uint16_t gc_v8h __attribute__((vector_size(16)));
+typedef double gc_v4d __attribute__((vector_size(32)));
+typedef uint64_t gc_v4u __attribute__((vector_size(32)));
+typedef float gc_v4f __attribute__((vector_size(16)));
+
+static inline gc_v8f gc_ld8f(const float *p) { gc_v8f v; memcpy(&v, p, 32); return v; }
+static inline gc_v4d gc_ld4d(const double *p) { gc_v4d v; memcpy(&v, p, 32); return v; }
+static inline gc_v4d gc_ld4fd(const float *p) { gc_v4f v; memcpy(&v, p, 16); return __builtin_convertvector(v, gc_v4d); }
+static inline gc_v8u gc_ld8u(const uint32_t *p) { gc_v8u v; memcpy(&v, p, 32); return v; }
+static inline gc_v8u gc_ld8h(const uint16_t *p) { gc_v8h v; memcpy(&v, p, 16); return __builtin_convertvector(v, gc_v8u); }
+
+static inline void gc_st8f(float *p, gc_v8f v, int nt) {
+#if GC_HAVE_NT
+    if (nt) {
+        union { gc_v8f v; __m128 h[2]; } u;
+        u.v = v;
+        _mm_stream_ps(p, u.h[0]);
+        _mm_stream_ps(p + 4, u.h[1]);
+        return;
+    }
+#endif
+    (void)nt;
+    memcpy(p, &v, 32);
+}
+
+static inline void gc_st4d(double *p, gc_v4d v, int nt) {
+#if GC_HAVE_NT
+    if (nt) {
+        union { gc_v4d v; __m128d h[2]; } u;
+        u.v = v;
+        _mm_stream_pd(p, u.h[0]);
+        _mm_stream_pd(p + 2, u.h[1]);
+        return;
+    }
+#endif
+    (void)nt;
+    memcpy(p, &v, 32);
+}
+
+static inline void gc_fence(int nt) {
+#if GC_HAVE_NT
+    if (nt)
+        _mm_sfence();  /* non-temporal stores are weakly ordered: make them visible before returning */
+#endif
+    (void)nt;
+}
+#endif /* __GNUC__ */
+
+/* Non-temporal stores need 16-byte aligned destinations; otherwise the plain store path runs. */
+static inline int gc_nt_ok(const void *p, int nt) { return nt && GC_HAVE_NT && ((uintptr_t)p & 15u) == 0; }
+
+/* ---- reduce: out = finish(x0 + x1 + ... + x{n-1}); returns 1 when every result is finite ---------------- */
+
+/* The vector loop: U=4 vectors of W lanes per step, the n inputs added in order, then the finish. */
+#define GC_REDUCE_BODY(TA, VA, VU, W, LOAD, STORE, FLAGV, EXP, ULP)                                    \
+    for (; i + 4 * (W) <= m; i += 4 * (W)) {                                                           \
+        const TS *p = xs[0] + i;                                                                       \
+        VA s0 = LOAD(p), s1 = LOAD(p + (W)), s2 = LOAD(p + 2 * (W)), s3 = LOAD(p + 3 * (W));            \
+        for (j = 1; j < n; j++) {                                                                      \
+            p = xs[j] + i;                                                                             \
+            s0 += LOAD(p); s1 += LOAD(p + (W)); s2 += LOAD(p + 2 * (W)); s3 += LOAD(p + 3 * (W));      \
+        }                                                                                              \
+        if (mode == GC_MUL) { s0 *= f; s1 *= f; s2 *= f; s3 *= f; }                                    \
+        else if (mode == GC_DIV) { s0 /= f; s1 /= f; s2 /= f; s3 /= f; }                               \
+        STORE(out + i, s0, nt); STORE(out + i + (W), s1, nt);                                          \
+        STORE(out + i + 2 * (W), s2, nt); STORE(out + i + 3 * (W), s3, nt);                            \
+        FLAGV |= ((((VU)s0 & (EXP)) + (ULP)) | (((VU)s1 & (EXP)) + (ULP)))                             \
+               | ((((VU)s2 & (EXP)) + (ULP)) | (((VU)s3 & (EXP)) + (ULP)));                            \
+    }
+
+/* The scalar loop (the tail, and compilers without vector types). */
+#define GC_REDUCE_TAIL(TA, FLAG1)                                                                      \
+    for (; i < m; i++) {                                                                               \
+        TA s = (TA)xs[0][i];                                                                           \
+        for (j = 1; j < n; j++)                                                                        \
+            s += (TA)xs[j][i];                                                                         \
+        if (mode == GC_MUL) s *= f;                                                                    \
+        else if (mode == GC_DIV) s /= f;                                                               \
+        out[i] = s;                                                                                    \
+        flag |= FLAG1(s);                                                                              \
+    }
+
+#if defined(GC_VECTORS)
+#define GC_DEFINE_REDUCE(NAME, TS_, TA_, VA, VU, W, LOAD, STORE, UT, FLAG1, EXP, ULP, TOP)              \
+    GC_CLONES static int NAME(const TS_ *const *xs, gc_ssize n, gc_ssize m, TA_ *restrict out, TA_ f,  \
+                              int mode, int nt) {                                                      \
+        typedef TS_ TS;                                                                                \
+        gc_ssize i = 0, j;                                                                             \
+        VU fv = {0};                                                                                   \
+        UT flag = 0;                                                                                   \
+        int k;                                                                                         \
+        nt = gc_nt_ok(out, nt);                                                                        \
+        GC_REDUCE_BODY(TA_, VA, VU, W, LOAD, STORE, fv, EXP, ULP)                                      \
+        gc_fence(nt);                                                                                  \
+        for (k = 0; k < (W); k++)                                                                      \
+            flag |= fv[k];                                                                             \
+        GC_REDUCE_TAIL(TA_, FLAG1)                                                                     \
+        return (flag & (TOP)) == 0;                                                                    \
+    }
+#else
+#define GC_DEFINE_REDUCE(NAME, TS_, TA_, VA, VU, W, LOAD, STORE, UT, FLAG1, EXP, ULP, TOP)              \
+    static int NAME(const TS_ *const *xs, gc_ssize n, gc_ssize m, TA_ *out, TA_ f, int mode, int nt) {  \
+        gc_ssize i = 0, j;                                                                             \
+        UT flag = 0;                                                                                   \
+        (void)nt;                                                                                      \
+        GC_REDUCE_TAIL(TA_, FLAG1)                                                                     \
+        return (flag & (TOP)) == 0;                                                                    \
+    }
+#endif
+
+GC_DEFINE_REDUCE(gc_reduce_ff, float, float, gc_v8f, gc_v8u, 8, gc_ld8f, gc_st8f, uint32_t, gc_flag32,
+                 GC_EXP32, GC_ULP32, GC_TOP32)
+GC_DEFINE_REDUCE(gc_reduce_dd, double, double, gc_v4d, gc_v4u, 4, gc_ld4d, gc_st4d, uint64_t, gc_flag64,
+                 GC_EXP64, GC_ULP64, GC_TOP64)
+GC_DEFINE_REDUCE(gc_reduce_fd, float, double, gc_v4d, gc_v4u, 4, gc_ld4fd, gc_st4d, uint64_t, gc_flag64,
+                 GC_EXP64, GC_ULP64, GC_TOP64)
+
+/* ---- accumulate: acc = scale(finish(acc + x)); returns 1 when every result is finite --------------------- */
+
+#define GC_ACC_STEP(s)                                                                                 \
+    if (mode == GC_MUL) s *= d; else if (mode == GC_DIV) s /= d;                                       \
+    if (doscale) s *= sc;
+
+#if defined(GC_VECTORS)
+#define GC_DEFINE_ACC(NAME, T, V, VU, W, LOAD, STORE, UT, FLAG1, EXP, ULP, TOP)                         \
+    GC_CLONES static int NAME(T *acc, const T *x, gc_ssize m, T d, int mode, T sc, int doscale) {      \
+        gc_ssize i = 0;                                                                                \
+        VU fv = {0};                                                                                   \
+        UT flag = 0;                                                                                   \
+        int k;                                                                                         \
+        for (; i + 2 * (W) <= m; i += 2 * (W)) {                                                       \
+            V s0 = LOAD(acc + i) + LOAD(x + i), s1 = LOAD(acc + i + (W)) + LOAD(x + i + (W));          \
+            GC_ACC_STEP(s0) GC_ACC_STEP(s1)                                                            \
+            STORE(acc + i, s0, 0); STORE(acc + i + (W), s1, 0);                                        \
+            fv |= (((VU)s0 & (EXP)) + (ULP)) | (((VU)s1 & (EXP)) + (ULP));                             \
+        }                                                                                              \
+        for (k = 0; k < (W); k++)                                                                      \
+            flag |= fv[k];                                                                             \
+        for (; i < m; i++) {                                                                           \
+            T s = acc[i] + x[i];                                                                       \
+            GC_ACC_STEP(s)                                                                             \
+            acc[i] = s;                                                                                \
+            flag |= FLAG1(s);                                                                          \
+        }                                                                                              \
+        return (flag & (TOP)) == 0;                                                                    \
+    }
+#else
+#define GC_DEFINE_ACC(NAME, T, V, VU, W, LOAD, STORE, UT, FLAG1, EXP, ULP, TOP)                         \
+    static int NAME(T *acc, const T *x, gc_ssize m, T d, int mode, T sc, int doscale) {                \
+        gc_ssize i;                                                                                    \
+        UT flag = 0;                                                                                   \
+        for (i = 0; i < m; i++) {                                                                      \
+            T s = acc[i] + x[i];                                                                       \
+            GC_ACC_STEP(s)                                                                             \
+            acc[i] = s;                                                                                \
+            flag |= FLAG1(s);                                                                          \
+        }                                                                                              \
+        return (flag & (TOP)) == 0;                                                                    \
+    }
+#endif
+
+GC_DEFINE_ACC(gc_acc_f, float, gc_v8f, gc_v8u, 8, gc_ld8f, gc_st8f, uint32_t, gc_flag32, GC_EXP32, GC_ULP32, GC_TOP32)
+GC_DEFINE_ACC(gc_acc_d, double, gc_v4d, gc_v4u, 4, gc_ld4d, gc_st4d, uint64_t, gc_flag64, GC_EXP64, GC_ULP64, GC_TOP64)
+
+/* ---- finite check of a buffer: 1 when no element is NaN/Inf (stops at the first bad 64 KiB) ------------- */
+
+GC_CLONES static int gc_finite_f(const float *p, gc_ssize m) {
+    gc_ssize i = 0, stop;
+    uint32_t flag = 0;
+    while (i < m && (flag & GC_TOP32) == 0) {
+        stop = (m - i > 16384) ? i + 16384 : m;
+        for (; i < stop; i++)
+            flag |= gc_flag32(p[i]);
+    }
+    return (flag & GC_TOP32) == 0;
+}
+
+GC_CLONES static int gc_finite_d(const double *p, gc_ssize m) {
+    gc_ssize i = 0, stop;
+    uint64_t flag = 0;
+    while (i < m && (flag & GC_TOP64) == 0) {
+        stop = (m - i > 8192) ? i + 8192 : m;
+        for (; i < stop; i++)
+            flag |= gc_flag64(p[i]);
+    }
+    return (flag & GC_TOP64) == 0;
+}
+
+/* ---- low precision: float32 <-> bf16/fp16 bit patterns (the rules: lowp_reference.py) ------------------- */
+
+/* bf16: round to nearest even on the bits; a NaN keeps sign and top payload and is quieted. */
+static inline uint32_t gc_bf16(uint32_t u) {
+    uint32_t r = (u + 0x7fffu + ((u >> 16) & 1u)) >> 16;
+    uint32_t q = (u >> 16) | 0x0040u;
+    return ((u & 0x7fffffffu) > 0x7f800000u) ? q : r;
+}
+
+/* fp16, branch-free: the three ranges computed side by side and one selected (so the loop vectorises).
+ * Normal range: rebias the exponent 127 -> 15 and round half to even on the 13 dropped bits (a carry into
+ * the exponent gives Inf at 65520). Below 2**-14 (fp16 subnormals and zero): |x| + 0.5f, whose last 10
+ * bits are |x| rounded to a multiple of 2**-24 by the hardware's round-to-nearest-even addition. At and
+ * above 65536: Inf, or the quieted NaN with the top payload bits. */
+static inline uint32_t gc_fp16(uint32_t u) {
+    uint32_t sign = (u >> 16) & 0x8000u, a = u & 0x7fffffffu, sb, nrm, big, r;
+    uint32_t is_big = 0u - (uint32_t)(a >= 0x47800000u), is_nan = 0u - (uint32_t)(a > 0x7f800000u);
+    uint32_t is_sub = 0u - (uint32_t)(a < 0x38800000u);  /* masks, not branches: the loop stays straight */
+    float fa, fs;
+    nrm = (a - 0x38000000u + 0xfffu + ((a >> 13) & 1u)) >> 13;
+    memcpy(&fa, &a, 4);
+    fs = fa + 0.5f;
+    memcpy(&sb, &fs, 4);
+    sb -= 0x3f000000u;
+    big = 0x7c00u | (is_nan & (0x0200u | ((a & 0x007fffffu) >> 13)));
+    r = (is_sub & sb) | (~is_sub & nrm);
+    return sign | (is_big & big) | (~is_big & r);
+}
+
+/* F16C (every x86-64 CPU with AVX2 has it): vcvtps2ph with round-to-nearest-even gives the oracle's bits for
+ * every one of the 2**32 float32 patterns (checked once, exhaustively), NaNs included; vcvtph2ps quiets a
+ * signalling NaN, which an addition does anyway, so it widens for accumulate but not for a plain decode. */
+#if defined(__GNUC__) && defined(__x86_64__) && defined(__linux__) && !defined(__clang__)
+#define GC_F16C 1
+#include <cpuid.h>
+#include <immintrin.h>
+
+static int gc_f16c_state = -1;
+
+static int gc_has_f16c(void) {
+    unsigned a, b, c, d;
+    if (gc_f16c_state < 0) {  /* a benign race: every thread computes the same answer */
+        __builtin_cpu_init();
+        gc_f16c_state = __builtin_cpu_supports("avx2") && __get_cpuid(1, &a, &b, &c, &d) && (c & bit_F16C) != 0;
+    }
+    return gc_f16c_state;
+}
+
+__attribute__((target("avx2,f16c"))) static gc_ssize gc_encode_fp16_hw(const uint32_t *u, uint16_t *w, gc_ssize m,
+                                                                        uint32_t *flag) {
+    gc_ssize i = 0;
+    __m256i fv = _mm256_setzero_si256();
+    const __m256i e = _mm256_set1_epi16(0x7c00), ulp = _mm256_set1_epi16(0x0400);
+    for (; i + 16 <= m; i += 16) {
+        __m128i lo = _mm256_cvtps_ph(_mm256_loadu_ps((const float *)(u + i)), _MM_FROUND_TO_NEAREST_INT);
+        __m128i hi = _mm256_cvtps_ph(_mm256_loadu_ps((const float *)(u + i + 8)), _MM_FROUND_TO_NEAREST_INT);
+        __m256i h = _mm256_inserti128_si256(_mm256_castsi128_si256(lo), hi, 1);
+        _mm256_storeu_si256((__m256i *)(w + i), h);
+        fv = _mm256_or_si256(fv, _mm256_add_epi16(_mm256_and_si256(h, e), ulp));
+    }
+    if ((unsigned)_mm256_movemask_epi8(fv) & 0xaaaaaaaau)  /* the top bit of a 16-bit lane: an Inf/NaN */
+        *flag |= 0x8000u;
+    return i;
+}
+
+__attribute__((target("avx2,f16c"))) static gc_ssize gc_acc_fp16_hw(float *acc, const uint16_t *w, gc_ssize m,
+                                                                     float d, int mode, uint32_t *flag) {
+    gc_ssize i = 0;
+    __m256i fv = _mm256_setzero_si256();
+    const __m256i e = _mm256_set1_epi32((int)GC_EXP32), ulp = _mm256_set1_epi32((int)GC_ULP32);
+    const __m256 vd = _mm256_set1_ps(d);
+    for (; i + 8 <= m; i += 8) {
+        __m256 s = _mm256_add_ps(_mm256_loadu_ps(acc + i), _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(w + i))));
+        if (mode == GC_MUL) s = _mm256_mul_ps(s, vd);
+        else if (mode == GC_DIV) s = _mm256_div_ps(s, vd);
+        _mm256_storeu_ps(acc + i, s);
+        fv = _mm256_or_si256(fv, _mm256_add_epi32(_mm256_and_si256(_mm256_castps_si256(s), e), ulp));
+    }
+    if ((unsigned)_mm256_movemask_ps(_mm256_castsi256_ps(fv)))  /* the sign bit of a lane: an Inf/NaN */
+        *flag |= GC_TOP32;
+    return i;
+}
+
+__attribute__((target("avx2"))) static gc_ssize gc_encode_bf16_hw(const uint32_t *u, uint16_t *w, gc_ssize m,
+                                                                   uint32_t *flag) {
+    /* gc_bf16 on 16 lanes at a time, with a signed comparison for the NaN test (|u| fits in 31 bits) and
+     * one saturating pack (every value fits in 16 bits) in place of the compiler's narrowing shuffles. */
+    gc_ssize i = 0;
+    __m256i fv = _mm256_setzero_si256();
+    const __m256i abs = _mm256_set1_epi32(0x7fffffff), inf = _mm256_set1_epi32(0x7f800000);
+    const __m256i one = _mm256_set1_epi32(1), half = _mm256_set1_epi32(0x7fff), quiet = _mm256_set1_epi32(0x40);
+    const __m256i e = _mm256_set1_epi16(0x7f80), ulp = _mm256_set1_epi16(0x0080);
+    __m256i r[2];
+    int k;
+    for (; i + 16 <= m; i += 16) {
+        for (k = 0; k < 2; k++) {
+            __m256i v = _mm256_loadu_si256((const __m256i *)(u + i + 8 * k));
+            __m256i top = _mm256_srli_epi32(v, 16);
+            __m256i rounded = _mm256_srli_epi32(_mm256_add_epi32(_mm256_add_epi32(v, half),
+                                                                 _mm256_and_si256(top, one)), 16);
+            __m256i nan = _mm256_cmpgt_epi32(_mm256_and_si256(v, abs), inf);
+            r[k] = _mm256_blendv_epi8(rounded, _mm256_or_si256(top, quiet), nan);
+        }
+        __m256i h = _mm256_permute4x64_epi64(_mm256_packus_epi32(r[0], r[1]), 0xd8);
+        _mm256_storeu_si256((__m256i *)(w + i), h);
+        fv = _mm256_or_si256(fv, _mm256_add_epi16(_mm256_and_si256(h, e), ulp));
+    }
+    if ((unsigned)_mm256_movemask_epi8(fv) & 0xaaaaaaaau)
+        *flag |= 0x8000u;
+    return i;
+}
+#endif
+
+/* One encode: the vector loop where the CPU has it, then the scalar conversion for the rest; 1 when every
+ * encoded value is finite (EXP: the format's exponent bits, ULP: their lowest bit). */
+#if defined(GC_F16C)
+#define GC_ENCODE_HW(HW) if (gc_has_f16c()) i = HW(u, w, m, &flag);
+#else
+#define GC_ENCODE_HW(HW)
+#endif
+#define GC_DEFINE_ENCODE(NAME, CONV, HW, EXP, ULP)                                                     \
+    GC_CLONES static int NAME(const uint32_t *restrict u, uint16_t *restrict w, gc_ssize m) {          \
+        gc_ssize i = 0;                                                                                \
+        uint32_t flag = 0, v;                                                                          \
+        GC_ENCODE_HW(HW)                                                                               \
+        for (; i < m; i++) {                                                                           \
+            v = CONV(u[i]);                                                                            \
+            w[i] = (uint16_t)v;                                                                        \
+            flag |= (v & (EXP)) + (ULP);                                                               \
+        }                                                                                              \
+        return (flag & 0x8000u) == 0;                                                                  \
+    }
+
+GC_DEFINE_ENCODE(gc_encode_bf16, gc_bf16, gc_encode_bf16_hw, 0x7f80u, 0x0080u)
+GC_DEFINE_ENCODE(gc_encode_fp16, gc_fp16, gc_encode_fp16_hw, 0x7c00u, 0x0400u)
+
+/* acc = finish(acc + decode(w)), or acc = decode(w) when decode_only; 1 when every result is finite.
+ * bf16 widens by a shift; fp16 reads the 65,536-entry table of float32 values. */
+GC_CLONES static int gc_acc_bf16(float *restrict acc, const uint16_t *restrict w, gc_ssize m, float d, int mode,
+                                 int decode_only) {
+    gc_ssize i;
+    uint32_t flag = 0, b;
+    float x, s;
+    for (i = 0; i < m; i++) {
+        b = (uint32_t)w[i] << 16;
+        memcpy(&x, &b, 4);
+        s = decode_only ? x : acc[i] + x;
+        if (mode == GC_MUL) s *= d; else if (mode == GC_DIV) s /= d;
+        acc[i] = s;
+        flag |= gc_flag32(s);
+    }
+    return (flag & GC_TOP32) == 0;
+}
+
+GC_CLONES static int gc_acc_fp16(float *restrict acc, const uint16_t *restrict w, const float *restrict table,
+                                 gc_ssize m, float d, int mode, int decode_only) {
+    gc_ssize i = 0;
+    uint32_t flag = 0;
+    float s;
+#if defined(GC_F16C)
+    if (!decode_only && gc_has_f16c())
+        i = gc_acc_fp16_hw(acc, w, m, d, mode, &flag);
+#endif
+    for (; i < m; i++) {
+        s = decode_only ? table[w[i]] : acc[i] + table[w[i]];
+        if (mode == GC_MUL) s *= d; else if (mode == GC_DIV) s /= d;
+        acc[i] = s;
+        flag |= gc_flag32(s);
+    }
+    return (flag & GC_TOP32) == 0;
+}
+
+#endif /* GRADCOLL_FUSED_H */

@@ -1,0 +1,194 @@
+"""The one-pass kernels (``_fused.h``, ``numba_cpu``, ``numba_lowp``): every code path gives the reference's bits.
+
+The compiled loops have a vector body, a scalar tail, a non-temporal store path, an exact-reciprocal finish
+and hardware fp16 conversions; the Numba loops have several passes for many inputs and a threaded version.
+Each is driven here across its boundaries and compared bit for bit with the NumPy reference.
+"""
+
+from __future__ import annotations
+
+import numba
+import numpy as np
+import pytest
+
+import gradcoll
+from gradcoll import kernels as K
+from gradcoll.kernels import lowp_reference as R
+from gradcoll.kernels import reference
+
+HOST = [b for b in K.available_backends() if b in ("numba", "cython")]
+needs_ext = pytest.mark.skipif("cython" not in HOST, reason="needs the compiled extension (pip install -e . with a C compiler)")
+
+
+def ref_reduce(rows: list[np.ndarray], divisor: float, acc=None) -> np.ndarray:
+    acc_dt = np.dtype(acc or rows[0].dtype)
+    out = np.empty(rows[0].shape, acc_dt)
+    reference.reduce_rows(rows, out, acc_dt, divisor, False)
+    return out
+
+
+@pytest.mark.parametrize("backend", HOST)
+@pytest.mark.parametrize("dtype", [np.float32, np.float64])
+def test_every_length_and_input_count(backend: str, dtype: type) -> None:
+    rng = np.random.default_rng(3)
+    for n in (1, 2, 3, 8, 9, 15, 16, 17, 70):
+        for m in (0, 1, 7, 31, 32, 33, 63, 64, 65, 127, 129, 1000):
+            rows = [rng.standard_normal(m).astype(dtype) for _ in range(n)]
+            for op, divisor in (("mean", n), ("sum", 1)):
+                want = ref_reduce(rows, divisor)
+                assert K.mean_reduce(rows, op=op, backend=backend).tobytes() == want.tobytes(), (n, m, op)
+                assert K.mean_reduce(np.stack(rows) if m else rows, op=op, backend=backend).tobytes() == want.tobytes()
+
+
+@pytest.mark.parametrize("backend", HOST)
+def test_divisors_exact_reciprocal_or_divide(backend: str) -> None:
+    """Powers of two multiply by the reciprocal (same bits), others divide; subnormal results included."""
+    rng = np.random.default_rng(4)
+    tiny = np.finfo(np.float32).smallest_normal
+    for scale in (1.0, tiny * 8):  # the second: every result subnormal or near it
+        a = (rng.standard_normal(999) * scale).astype(np.float32)
+        b = (rng.standard_normal(999) * scale).astype(np.float32)
+        for d in (2, 3, 4, 6, 8, 0.5, 1024, 2.0**100):
+            want = a.copy()
+            reference.accumulate(want, b, None, d, False)
+            got = a.copy()
+            K.accumulate(got, b, divide_by=d, check_finite=False, backend=backend)
+            assert got.tobytes() == want.tobytes(), (scale, d)
+        for n in (2, 3, 4, 8):  # mean of n rows: multiply by 1/n for 2, 4, 8; divide for 3
+            rows = [(rng.standard_normal(999) * scale).astype(np.float32) for _ in range(n)]
+            assert K.mean_reduce(rows, backend=backend).tobytes() == ref_reduce(rows, n).tobytes(), (scale, n)
+
+
+@pytest.mark.parametrize("backend", HOST)
+@pytest.mark.parametrize("dtype", [np.float32, np.float64])
+def test_nonfinite_anywhere_is_caught_and_located(backend: str, dtype: type) -> None:
+    """In the vector body and the scalar tail, in every input, with one pass and with several."""
+    rng = np.random.default_rng(5)
+    for n in (2, 9):
+        m = 77
+        for where in (0, 31, 32, 63, 64, 76):
+            for who in (0, n - 1):
+                for bad in (np.nan, np.inf, -np.inf):
+                    x = rng.standard_normal((n, m)).astype(dtype)
+                    x[who, where] = bad
+                    for inputs in (list(x), x):
+                        with pytest.raises(gradcoll.NonFiniteError) as ei:
+                            K.mean_reduce(inputs, backend=backend)
+                        assert (ei.value.contributor, ei.value.index) == (who, where)
+                    acc = x[1 - who if n == 2 else 0].copy() if who else x[0].copy()
+                    with pytest.raises(gradcoll.NonFiniteError):
+                        K.accumulate(acc, x[who], backend=backend)
+                    with pytest.raises(gradcoll.NonFiniteError) as ei:
+                        K.check_finite(x[who], backend=backend)
+                    assert ei.value.index == where
+
+
+@needs_ext
+def test_non_temporal_stores_give_the_same_bits() -> None:
+    from gradcoll.kernels._compiled import extension
+
+    ext = extension()
+    rng = np.random.default_rng(6)
+    before = ext.STREAM_BYTES
+    try:
+        for nbytes in (0, 1 << 62):
+            ext.set_stream_bytes(nbytes)
+            for m in (1, 100, 4099):
+                rows = [rng.standard_normal(m).astype(np.float32) for _ in range(3)]
+                want = ref_reduce(rows, 3)
+                assert K.mean_reduce(rows, backend="cython").tobytes() == want.tobytes()
+                buf = np.empty(m + 1, np.float32)
+                out = buf[1:]  # 4 bytes off alignment: the plain store path
+                K.mean_reduce(rows, out=out, backend="cython")
+                assert out.tobytes() == want.tobytes()
+                out64 = np.empty(m, np.float64)
+                K.mean_reduce(rows, out=out64, accumulate_dtype=np.float64, backend="cython")
+                assert out64.tobytes() == ref_reduce(rows, 3, np.float64).tobytes()
+    finally:
+        ext.set_stream_bytes(before)
+
+
+@pytest.mark.parametrize("backend", HOST)
+def test_read_only_inputs(backend: str) -> None:
+    rows = [np.arange(70_000, dtype=np.float32) * k for k in range(1, 4)]
+    rows[1].flags.writeable = False
+    want = ref_reduce(rows, 3)
+    assert K.mean_reduce(rows, backend=backend).tobytes() == want.tobytes()
+    frozen = np.stack(rows)
+    frozen.flags.writeable = False
+    assert K.mean_reduce(frozen, backend=backend).tobytes() == want.tobytes()
+
+
+def test_threaded_numba_kernels_match_serial_at_every_thread_count() -> None:
+    from gradcoll.kernels import numba_cpu, numba_lowp
+
+    rng = np.random.default_rng(7)
+    m = 3 * numba_cpu.BLOCK + 5
+    a, b = rng.standard_normal((2, m)).astype(np.float32)
+    w = np.empty(m, np.uint16)
+    R.encode(a, w, "bf16", False)
+    big = np.float32(np.finfo(np.float32).max)
+    serial_acc = a.copy()
+    numba_cpu.accumulate_serial(serial_acc, b, np.float32(3), numba_cpu.DIV, np.float32(1), False, big)
+    serial_w = np.empty(m, np.uint16)
+    numba_lowp.encode_serial(a.view(np.uint32), serial_w, numba_lowp.FP16)
+    serial_lacc = a.copy()
+    numba_lowp.accumulate_serial(serial_lacc, w, R.fp16_table(), numba_lowp.BF16, np.float32(1), 0, False)
+    try:
+        for t in range(1, numba.config.NUMBA_NUM_THREADS + 1):
+            numba.set_num_threads(t)
+            acc = a.copy()
+            numba_cpu.accumulate_parallel(acc, b, np.float32(3), numba_cpu.DIV, np.float32(1), False, big)
+            assert acc.tobytes() == serial_acc.tobytes()
+            wp = np.empty(m, np.uint16)
+            numba_lowp.encode_parallel(a.view(np.uint32), wp, numba_lowp.FP16)
+            assert wp.tobytes() == serial_w.tobytes()
+            lacc = a.copy()
+            numba_lowp.accumulate_parallel(lacc, w, R.fp16_table(), numba_lowp.BF16, np.float32(1), 0, False)
+            assert lacc.tobytes() == serial_lacc.tobytes()
+    finally:
+        numba.set_num_threads(numba.config.NUMBA_NUM_THREADS)
+
+
+WIRE_BACKENDS = [b for b in K.available_backends() if b in ("numba", "cython")]
+
+
+@pytest.mark.parametrize("backend", WIRE_BACKENDS)
+@pytest.mark.parametrize("wire", ["bf16", "fp16"])
+def test_wire_kernels_on_a_million_patterns(backend: str, wire: str) -> None:
+    """Encode every kind of float32 (random bit patterns: NaNs, subnormals, both infinities) and widen every
+    16-bit pattern, against the oracle; the vector loops and their tails both run."""
+    rng = np.random.default_rng(8)
+    for m in (1_000_003, 15, 16, 17):
+        u = rng.integers(0, 2**32, m, dtype=np.uint64).astype(np.uint32)
+        x = u.view(np.float32)
+        want = np.empty(m, np.uint16)
+        R.encode(x, want, wire, False)
+        got = K.encode_wire(x, wire=wire, check_finite=False, backend=backend)
+        assert np.array_equal(got, want)
+    every = np.arange(1 << 16, dtype=np.uint32).astype(np.uint16)
+    ref = np.empty(every.size, np.float32)
+    R.decode(every, ref, wire)
+    assert np.array_equal(K.decode_wire(every, wire=wire, backend=backend).view(np.uint32), ref.view(np.uint32))
+    acc0 = rng.standard_normal(every.size).astype(np.float32)
+    for d in (None, 2, 3):
+        a1, a2 = acc0.copy(), acc0.copy()
+        R.accumulate(a1, every, wire, d, False)
+        K.accumulate_wire(a2, every, wire, divide_by=d, check_finite=False, backend=backend)
+        assert np.array_equal(a1.view(np.uint32), a2.view(np.uint32)), d
+
+
+@pytest.mark.parametrize("backend", WIRE_BACKENDS)
+def test_wire_fast_path_errors_are_explained(backend: str) -> None:
+    acc = np.ones(100, np.float32)
+    x = K.encode_wire(np.ones(100, np.float32), wire="bf16")
+    x[41] = 0x7F80  # +Inf in bf16
+    with pytest.raises(gradcoll.NonFiniteError) as ei:
+        K.accumulate_wire(acc, x, "bf16", backend=backend)
+    assert (ei.value.contributor, ei.value.index) == (1, 41)
+    assert acc[40] == 2.0  # added once, not again on the error path
+    with pytest.raises(gradcoll.NonFiniteError) as ei:
+        K.encode_wire(np.array([1.0, 7e4, 2.0], np.float32), wire="fp16", backend=backend)
+    assert ei.value.index == 1
+    with pytest.raises(ValueError, match="wire must be one of"):
+        K.encode_wire(np.ones(3, np.float32), wire="int8", backend=backend)
