@@ -18,7 +18,7 @@ import numpy as np
 
 from ..errors import UsageError
 
-__all__ = ["Buffer", "as_buffer", "is_device_array"]
+__all__ = ["Buffer", "as_buffer", "is_device_array", "tensor_wire"]
 
 
 @dataclass(frozen=True)
@@ -50,6 +50,39 @@ def _torch_tensor(obj: Any) -> bool:
     return type(obj).__module__.startswith("torch") and hasattr(obj, "numpy") and hasattr(obj, "is_contiguous")
 
 
+def _torch_numpy(t: Any) -> np.ndarray:
+    """A CPU tensor's memory; a bfloat16 tensor's as its uint16 bits (torch's ``.numpy()`` refuses bfloat16)."""
+    t = t.detach()
+    if str(t.dtype) == "torch.bfloat16":
+        import torch
+
+        bits: np.ndarray = t.view(torch.int16).numpy().view(np.uint16)
+        return bits
+    arr: np.ndarray = t.numpy()
+    return arr
+
+
+def tensor_wire(obj: Any, op: str, wire: str | None) -> str | None:
+    """The wire format a torch float16/bfloat16 tensor is summed or averaged in (float32 accumulation), else ``wire``.
+
+    A bfloat16 tensor is viewed as its uint16 bits (``as_buffer``), which only
+    the bf16 wire path reads as numbers: it is refused for other ops.
+    """
+    if isinstance(obj, np.ndarray) or not _torch_tensor(obj):
+        return wire
+    fmt = {"torch.float16": "fp16", "torch.bfloat16": "bf16"}.get(str(obj.dtype))
+    if fmt is None:
+        return wire
+    if op not in ("mean", "sum"):
+        if fmt == "bf16":
+            raise UsageError(f"a bfloat16 tensor is reduced with op 'mean' or 'sum' (accumulated in float32), "
+                             f"not {op!r}; reduce t.float() for max or min")
+        return wire
+    if wire not in (None, fmt):
+        raise UsageError(f"a {obj.dtype} tensor travels as {fmt}, not {wire}")
+    return fmt
+
+
 def as_buffer(obj: Any, *, writable: bool = True, what: str = "buf") -> Buffer:
     """View ``obj`` as an array without copying; refuse what cannot be used in place."""
     if is_device_array(obj):
@@ -64,7 +97,7 @@ def as_buffer(obj: Any, *, writable: bool = True, what: str = "buf") -> Buffer:
     elif _torch_tensor(obj):
         if not obj.is_contiguous():
             raise UsageError(f"{what}: {_describe(obj)} is not contiguous; call .contiguous() on it first")
-        arr, source = obj.detach().numpy(), "torch"
+        arr, source = _torch_numpy(obj), "torch"
     elif hasattr(obj, "__array_interface__") or hasattr(obj, "__array__") and not hasattr(obj, "__dlpack__"):
         arr, source = np.asarray(obj), "array"
     elif hasattr(obj, "__dlpack__"):

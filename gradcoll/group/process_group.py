@@ -14,7 +14,7 @@ from ..errors import UsageError
 from ..observe.diagnosis import ControlChannel, Diagnostics
 from ..observe.trace import GroupStats, Recorder
 from ..transport.base import Transport
-from .buffers import as_buffer, is_device_array
+from .buffers import as_buffer, is_device_array, tensor_wire
 from .topology import Topology
 from .work import Executor, Work
 
@@ -132,6 +132,7 @@ class ProcessGroup(Topology):
         returns the same bits under any algorithm, world layout or arrival
         order (docs/algorithms/deterministic.md).
         """
+        wire_dtype = tensor_wire(buf, op, wire_dtype)  # torch float16/bfloat16 tensors: accumulated in float32
         if wire_dtype is not None or deterministic or _half(buf, op):
             return self._precise_allreduce(buf, op, algorithm, check_finite, async_op, timeout, wire_dtype,
                                            deterministic)
@@ -158,6 +159,7 @@ class ProcessGroup(Topology):
         from ..algorithms.deterministic import deterministic_allreduce
         from ..algorithms.low_precision import wire_allreduce, wire_of
 
+        given = buf  # what the caller gets back: their own object, not the view of it
         if not isinstance(buf, np.ndarray):
             buf = as_buffer(buf, writable=True, what="buf").array
         if deterministic and wire is not None:
@@ -178,7 +180,7 @@ class ProcessGroup(Topology):
             fn(self.transport, work, algorithm=algo, op=op, check_finite=check_finite, seq=seq, timeout=limit,
                workspace=self._ws, backend=self.kernel_backend, **kw)
             writeback()
-            return buf
+            return given
 
         return self._exec.submit(name, job, async_op, nbytes=work.nbytes)
 

@@ -241,9 +241,24 @@ def _startup_timeout(startup_timeout: float | None, timeout: float) -> float:
 
 
 def _open_store(where: InitMethod, rank: int, timeout: float) -> Store:
-    """The rendezvous store of ``where``: rank 0 hosts the TCPStore, or everyone opens the FileStore."""
+    """The rendezvous store of ``where``: rank 0 hosts the TCPStore, or everyone opens the FileStore.
+
+    Where torch already serves ``MASTER_ADDR:MASTER_PORT``, every rank joins
+    torch's store instead (through [`gradcoll.store.c10d`][gradcoll.store.c10d]):
+    under torchrun, whose agent hosts it (``TORCHELASTIC_USE_AGENT_STORE=True``),
+    and in a process that has initialised ``torch.distributed`` already.
+    """
     if where.scheme == "file":
         return FileStore(where.path, timeout=timeout)
+    env = os.environ
+    if (where.host, str(where.port)) == (env.get("MASTER_ADDR") or "127.0.0.1", env.get("MASTER_PORT", "")):
+        from ..store.c10d import agent_store, torch_default_store, uses_agent_store
+
+        torch_store = torch_default_store(timeout)
+        if torch_store is not None:
+            return torch_store
+        if uses_agent_store(env):
+            return agent_store(where.host, where.port, timeout)
     try:
         return TCPStore(where.host, where.port, is_master=rank == 0, timeout=timeout)
     except UsageError as exc:
