@@ -4,7 +4,8 @@ VENV ?= .venv
 PY := $(VENV)/bin/python
 STAMP := $(VENV)/.gradcoll-installed
 SRC_DEPS := pyproject.toml setup.py gradcoll/kernels/_cython_kernels.pyx gradcoll/kernels/_fused.h \
-	gradcoll/transport/_window_c.pyx gradcoll/transport/_window_c.pxd gradcoll/algorithms/_direct_c.pyx
+	gradcoll/transport/_window_c.pyx gradcoll/transport/_window_c.pxd gradcoll/algorithms/_direct_c.pyx \
+	gradcoll/transport/_tcp_io.pyx
 
 .PHONY: test demo bench docs fuzz faults install clean
 
@@ -43,4 +44,4 @@ docs: $(STAMP)
 
 clean:
 	rm -rf build *.egg-info gradcoll/*/*.so gradcoll/kernels/_cython_kernels.c gradcoll/transport/_window_c.c \
-		gradcoll/algorithms/_direct_c.c
+		gradcoll/algorithms/_direct_c.c gradcoll/transport/_tcp_io.c

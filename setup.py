@@ -3,6 +3,7 @@
 * ``gradcoll.kernels._cython_kernels``: the reduction kernels with the lowest per-call cost;
 * ``gradcoll.transport._window_c``: the waiting protocol of shared windows (futex, liveness probes);
 * ``gradcoll.algorithms._direct_c``: the direct allreduce over a window, one ``nogil`` call per collective.
+* ``gradcoll.transport._tcp_io``: the tcp transport's send/receive/wait loops, without the GIL.
 
 Floating-point contraction is off: the kernels and the deterministic reduction rely on every
 multiply and add being rounded on its own, as IEEE says (an FMA would change its bits).
@@ -26,5 +27,9 @@ exts = [
     Extension("gradcoll.algorithms._direct_c", ["gradcoll/algorithms/_direct_c.pyx"],
               include_dirs=[np.get_include()], define_macros=macros, extra_compile_args=exact),
 ]
+
+# The tcp transport's send/receive/wait loops (gradcoll/transport/_tcp_io.pyx); POSIX sockets only.
+if os.name == "posix":
+    exts.append(Extension("gradcoll.transport._tcp_io", ["gradcoll/transport/_tcp_io.pyx"], extra_compile_args=flags))
 
 setup(ext_modules=cythonize(exts, compiler_directives={"language_level": "3"}))

@@ -216,9 +216,10 @@ def run(kind: str, n: int, lo: str, hi: str, repeats: int, op: str = "allreduce"
     wargs = [sys.executable, HERE, "--worker", kind, "--op", op, "--sizes", lo, hi, "--repeats", str(repeats)]
     env = {**os.environ, "PYTHONUNBUFFERED": "1"}
     if kind.startswith("mpi"):
-        btl = "self,vader" if kind == "mpi-shm" else "self,tcp"
-        cmd = ["mpirun", "--allow-run-as-root", "--oversubscribe", "--bind-to", "none", "-n", str(n),
-               "--mca", "btl", btl, *wargs]
+        # mpi-tcp: the TCP BTL alone, over loopback (like gradcoll's tcp transport on one host).
+        btl = ["--mca", "btl", "self,vader"] if kind == "mpi-shm" else ["--mca", "btl", "self,tcp",
+                                                                       "--mca", "btl_tcp_if_include", "lo"]
+        cmd = ["mpirun", "--allow-run-as-root", "--oversubscribe", "--bind-to", "none", "-n", str(n), *btl, *wargs]
         p = subprocess.run(cmd, capture_output=True, text=True, timeout=1800, env=env)
         out = p.stdout
         ok = p.returncode == 0

@@ -9,14 +9,24 @@ import argparse
 import sys
 
 from gradcoll.algorithms import auto_thresholds
-from gradcoll.model.costmodel import ALGORITHMS, best, busbw, crossovers, link_model, predict, stored_models
+from gradcoll.algorithms.simulate import simulate
+from gradcoll.model.costmodel import ALGORITHMS, AlphaBeta, best, busbw, crossovers, link_model, predict, stored_models
+from gradcoll.model.hierarchy import flat_time, step_times
 
 #: Reduction throughput: docs/performance.md, 2 inputs x 1e7 float32 (40 MB of incoming contribution) in 5.52 ms.
 REDUCE_BPS = 40e6 / 5.52e-3
 LINKS = {"10 Gbit/s": link_model(10, 25e-6, REDUCE_BPS), "100 Gbit/s": link_model(100, 5e-6, REDUCE_BPS)}
 RANKS = (8, 32, 128, 1024)
 SIZES = (1 << 20, 16 << 20, 256 << 20, 1 << 30)
-SHORT = {"ring": "ring", "star": "star", "recursive_doubling": "rec. doubling"}
+SHORT = {"ring": "ring", "star": "star", "recursive_doubling": "rec. doubling", "two_level": "two-level"}
+#: Inside a host: shared memory for the two-level allreduce's own steps, the kernel's loopback tcp for the flat
+#: algorithms (a group over tcp uses tcp between ranks of one host too).
+SHM_LOCAL = AlphaBeta(5e-6, 1 / 20e9, 1 / REDUCE_BPS)
+TCP_LOCAL = AlphaBeta(10e-6, 1 / 5e9, 1 / REDUCE_BPS)
+PER_HOST = 8
+HIER_RANKS = (8, 32, 128, 1024)
+HIER_SIZES = (1 << 16, 1 << 20, 16 << 20, 256 << 20)
+SIM_UP_TO = 32  # ranks simulated with the real code; beyond, the closed forms alone
 
 
 def human(n: float) -> str:
@@ -70,6 +80,29 @@ def auto_table() -> None:
             print(f"| {tr} | {where} | {n} | {text} |")
 
 
+def two_level_table() -> None:
+    """Flat ring and recursive doubling against the two-level allreduce, 8 ranks per host (docs/scaling.md)."""
+    for name, net in LINKS.items():
+        print(f"\n### {name} between hosts, {PER_HOST} ranks per host\n")
+        print("| ranks | hosts | size | ring ms | rec. doubling ms | two-level ms | between leaders | best |"
+              " simulated two-level ms |")
+        print("|--:|--:|--:|--:|--:|--:|--|--|--:|")
+        for n in HIER_RANKS:
+            layout = [PER_HOST] * (n // PER_HOST)
+            for s in HIER_SIZES:
+                ts = {a: flat_time(a, layout, s, TCP_LOCAL, net, shared_nic=True) for a in ("ring", "recursive_doubling")}
+                inside, between, cross = step_times(layout, s, SHM_LOCAL, net)
+                ts["two_level"] = inside + between
+                sim = "-"
+                if n <= SIM_UP_TO:
+                    hosts = [r // PER_HOST for r in range(n)]
+                    sim = ms(max(simulate("two_level", n, s, net, hosts=hosts, local=SHM_LOCAL, cross=cross)))
+                b = min(ts, key=lambda a: ts[a])
+                leaders = SHORT[cross] if len(layout) > 1 else "-"
+                print(f"| {n} | {len(layout)} | {human(s)} | {ms(ts['ring'])} | {ms(ts['recursive_doubling'])} | "
+                      f"{ms(ts['two_level'])} | {leaders} | {SHORT[b]} | {sim} |")
+
+
 def plot(path: str) -> None:
     import matplotlib
 
@@ -107,6 +140,7 @@ def main() -> int:
     tables()
     crossover_table()
     auto_table()
+    two_level_table()
     if a.plot:
         plot(a.plot)
     return 0

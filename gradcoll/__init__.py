@@ -30,7 +30,7 @@ from .errors import (
     TransportError,
     UsageError,
 )
-from .group import ProcessGroup, Work, init_process_group
+from .group import NonMember, ProcessGroup, Work, init_process_group, new_group
 from .optimizer import (
     AggregatedGradient,
     AggregationStrategy,
@@ -67,6 +67,8 @@ __all__ = [
     "ShrinkFailed",
     "BackendUnavailable",
     "init_process_group",
+    "new_group",
+    "NonMember",
     "Store",
     "HashStore",
     "PrefixStore",

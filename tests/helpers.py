@@ -6,6 +6,9 @@
 * :func:`run_mpi` launches this file under ``mpirun`` (``python
   tests/helpers.py <scenario>``) and returns the completed process;
   :func:`mpi_skip_reason` says why MPI tests cannot run here.
+* :class:`Netns` builds a private network of "hosts" on this machine (Linux
+  network namespaces on veth links to one bridge) and runs processes in
+  them; :func:`netns_skip_reason` says why it cannot.
 * :func:`positional_params` and :func:`field_names` read an API's shape, for
   the parity tests of the front ends.
 """
@@ -21,6 +24,8 @@ import shutil
 import subprocess
 import sys
 import tempfile
+import threading
+import time
 from collections.abc import Callable
 from typing import Any
 
@@ -150,6 +155,161 @@ def _mpi_main(scenario: str) -> None:
         t.close()
     else:
         raise SystemExit(f"unknown scenario {scenario!r}")
+
+
+# -- network namespaces ---------------------------------------------------------------------------------------
+NETNS_HINT = "needs Linux network namespaces as root: `ip netns` from Debian's iproute2 package"
+
+
+def netns_skip_reason() -> str | None:
+    """None when this process may create network namespaces, veth pairs and bridges, else why not."""
+    if sys.platform != "linux" or shutil.which("ip") is None:
+        return f"`ip` not found; {NETNS_HINT}"
+    probe = f"gcprobe{os.getpid() % 100000}"
+    r = subprocess.run(["ip", "netns", "add", probe], capture_output=True, text=True, timeout=20)
+    if r.returncode != 0:
+        return f"`ip netns add` is not allowed here ({r.stderr.strip() or r.returncode}); {NETNS_HINT}"
+    try:  # namespaces alone are not enough: the tests also need veth cables and a bridge
+        for what, argv in (("veth", ["link", "add", "gcp0", "type", "veth", "peer", "name", "gcp1"]),
+                           ("bridge", ["link", "add", "gcpbr", "type", "bridge"])):
+            r = subprocess.run(["ip", "-n", probe, *argv], capture_output=True, text=True, timeout=20)
+            if r.returncode != 0:
+                return f"`ip link add ... type {what}` is not allowed here ({r.stderr.strip() or r.returncode}); {NETNS_HINT}"
+    finally:
+        subprocess.run(["ip", "netns", "del", probe], capture_output=True, timeout=20)
+    return None
+
+
+class Netns:
+    """``hosts`` network namespaces, each on a veth "cable" to one bridge in a switch namespace.
+
+    Host ``i`` has address ``addr(i)`` (a /24 private to this object) on its
+    end of the cable; ``pull(i)`` takes the switch's end down (``ip link set
+    DEV down``: the host's packets are lost without a FIN or an RST, as when
+    a cable is pulled) and ``plug(i)`` brings it back. ``popen(i, argv)``
+    runs a process inside host ``i``. ``close()`` kills what it started and
+    removes every namespace (and so every link), also after a failure; use it
+    as a context manager. Traffic never leaves the machine.
+    """
+
+    _made = 0
+
+    def __init__(self, hosts: int) -> None:
+        Netns._made += 1
+        tag = (os.getpid() * 7 + Netns._made) % 50000
+        self.prefix = f"gc{tag}"  # device names stay under 15 characters
+        self.subnet = f"10.{200 + tag // 254 % 50}.{tag % 254 + 1}"
+        self.hosts = hosts
+        self.procs: list[subprocess.Popen[str]] = []
+        self._names: list[str] = []
+
+    def ns(self, i: int) -> str:
+        """The namespace of host ``i``."""
+        return f"{self.prefix}h{i}"
+
+    @property
+    def switch(self) -> str:
+        return f"{self.prefix}sw"
+
+    def addr(self, i: int) -> str:
+        """Host ``i``'s address."""
+        return f"{self.subnet}.{i + 1}"
+
+    def cable(self, i: int) -> str:
+        """The switch's end of host ``i``'s cable (a device in the switch namespace)."""
+        return f"{self.prefix}s{i}"
+
+    def _ip(self, *args: str) -> None:
+        r = subprocess.run(["ip", *args], capture_output=True, text=True, timeout=20)
+        if r.returncode != 0:
+            raise RuntimeError(f"ip {' '.join(args)}: {r.stderr.strip()}")
+
+    def __enter__(self) -> Netns:
+        try:
+            self._ip("netns", "add", self.switch)
+            self._names.append(self.switch)
+            self._ip("-n", self.switch, "link", "add", "br0", "type", "bridge")
+            self._ip("-n", self.switch, "link", "set", "br0", "up")
+            for i in range(self.hosts):
+                ns, host_end, switch_end = self.ns(i), f"{self.prefix}c{i}", self.cable(i)
+                self._ip("netns", "add", ns)
+                self._names.append(ns)
+                self._ip("link", "add", host_end, "type", "veth", "peer", "name", switch_end)
+                self._ip("link", "set", host_end, "netns", ns)
+                self._ip("link", "set", switch_end, "netns", self.switch)
+                self._ip("-n", ns, "addr", "add", f"{self.addr(i)}/24", "dev", host_end)
+                self._ip("-n", ns, "link", "set", host_end, "up")
+                self._ip("-n", ns, "link", "set", "lo", "up")
+                self._ip("-n", self.switch, "link", "set", switch_end, "master", "br0")
+                self._ip("-n", self.switch, "link", "set", switch_end, "up")
+        except BaseException:
+            self.close()
+            raise
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+    def pull(self, i: int) -> None:
+        """Pull host ``i``'s cable out of the switch."""
+        self._ip("-n", self.switch, "link", "set", self.cable(i), "down")
+
+    def plug(self, i: int) -> None:
+        """Plug host ``i``'s cable back in."""
+        self._ip("-n", self.switch, "link", "set", self.cable(i), "up")
+
+    def popen(self, i: int, argv: list[str], env: dict[str, str] | None = None) -> subprocess.Popen[str]:
+        """Start ``argv`` inside host ``i`` (stdin and stdout are text pipes, stderr joins stdout)."""
+        p = subprocess.Popen(["ip", "netns", "exec", self.ns(i), *argv], stdin=subprocess.PIPE,
+                             stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, bufsize=1,
+                             env={**os.environ, **(env or {})})
+        self.procs.append(p)
+        return p
+
+    def close(self) -> None:
+        """Kill the processes started here and delete every namespace (their links go with them)."""
+        for p in self.procs:
+            if p.poll() is None:
+                p.kill()
+        for p in self.procs:
+            try:
+                p.wait(10)
+            except subprocess.TimeoutExpired:
+                pass
+        for name in reversed(self._names):
+            subprocess.run(["ip", "netns", "del", name], capture_output=True, timeout=20)
+        self._names.clear()
+
+
+class Lines:
+    """The stdout lines of some processes, read by threads, taken with a bounded wait."""
+
+    def __init__(self, procs: dict[int, subprocess.Popen[str]]) -> None:
+        self.q: queue.Queue[tuple[int, str]] = queue.Queue()
+        self.log: list[tuple[int, str]] = []
+        for key, p in procs.items():
+            threading.Thread(target=self._pump, args=(key, p), daemon=True).start()
+
+    def _pump(self, key: int, p: subprocess.Popen[str]) -> None:
+        assert p.stdout is not None
+        for line in p.stdout:
+            self.q.put((key, line.rstrip("\n")))
+        self.q.put((key, "@@eof"))
+
+    def take(self, want: Callable[[int, str], bool], count: int, timeout: float) -> list[tuple[int, str]]:
+        """The next ``count`` lines for which ``want(key, line)`` holds (others are kept in ``log``)."""
+        got: list[tuple[int, str]] = []
+        end = time.monotonic() + timeout
+        while len(got) < count:
+            try:
+                key, line = self.q.get(timeout=max(0.0, end - time.monotonic()))
+            except queue.Empty:
+                tail = "\n".join(f"[{k}] {t}" for k, t in self.log[-40:])
+                raise AssertionError(f"got {len(got)} of {count} lines within {timeout}s; output:\n{tail}") from None
+            self.log.append((key, line))
+            if want(key, line):
+                got.append((key, line))
+        return got
 
 
 if __name__ == "__main__":

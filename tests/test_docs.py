@@ -156,6 +156,7 @@ def test_scaling_page_tables_are_the_models() -> None:
         st.tables()
         st.crossover_table()
         st.auto_table()
+        st.two_level_table()
     page = (DOCS / "scaling.md").read_text(encoding="utf-8").splitlines()
     rows = [line for line in out.getvalue().splitlines() if line.startswith("|")]
     assert len(rows) > 30

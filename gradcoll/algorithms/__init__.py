@@ -22,6 +22,9 @@ predicts fastest):
 * ``direct``: where the ranks share memory (one host), every rank reads
   every rank's slot of a shared window (``gradcoll.algorithms.direct``):
   ``auto`` runs it whenever the transport offers a window.
+* ``two_level``: for groups spanning hosts, inside each host, between one
+  leader per host, and back (picked when the group's host layout is given
+  and the model of ``gradcoll.model.hierarchy`` predicts it fastest).
 
 Every function also takes ``backend=`` (a kernel backend name) where it
 reduces, and ``workspace=`` to reuse scratch buffers across calls.
@@ -33,6 +36,7 @@ import bisect
 import functools
 from collections.abc import Callable
 
+from ..model import hierarchy
 from ..model.costmodel import Node, best, crossovers, stored_models
 from ._witness import announce_close
 from ._witness import attach as attach_witnesses
@@ -45,12 +49,14 @@ from .recursive_doubling import recursive_doubling_allreduce
 from .reduce_scatter import reduce_scatter
 from .ring import ring_allreduce
 from .star import star_allreduce
+from .two_level import two_level_allreduce
 
 __all__ = [
     "ALLREDUCE",
     "select_allreduce",
     "ring_allreduce",
     "star_allreduce",
+    "two_level_allreduce",
     "recursive_doubling_allreduce",
     "direct_allreduce",
     "broadcast",
@@ -71,24 +77,32 @@ ALLREDUCE: dict[str, Callable[..., object]] = {
     "star": star_allreduce,
     "recursive_doubling": recursive_doubling_allreduce,
     "direct": direct_allreduce,
+    "two_level": two_level_allreduce,
 }
 
 #: Where "auto" looks for crossovers: below the first size the algorithm that wins there, above the last the one that wins there.
 SEARCH_BYTES = (64, 1 << 30)
 #: The stored model "auto" uses for a transport that has none of its own (``transport=None`` included).
 DEFAULT_TRANSPORT = "shm"
+#: The stored model of the links inside a host, for the two-level allreduce's first and last steps.
+LOCAL_TRANSPORT = "shm"
 
 
 @functools.lru_cache(maxsize=1024)
-def auto_thresholds(size: int, transport: str | None = None) -> tuple[tuple[int, str], ...]:
+def auto_thresholds(size: int, transport: str | None = None,
+                    layout: tuple[int, ...] | None = None) -> tuple[tuple[int, str], ...]:
     """What ``algorithm="auto"`` runs on ``size`` ranks: ``((from_bytes, algorithm), ...)``, ascending from 0.
 
-    Derived once per (world size, transport) from the cost model fitted to
-    this project's measurements (``gradcoll.costmodel.stored_models``,
+    Derived once per (world size, transport, layout) from the cost model
+    fitted to this project's measurements (``gradcoll.costmodel.stored_models``,
     written by ``benches/fit_costmodel.py --write``) with
     ``gradcoll.costmodel.crossovers``. Up to the largest world measured,
     the ranks share a node with the measured number of cores, as they did
-    when measured; beyond it every rank has a core of its own.
+    when measured; beyond it every rank has a core of its own. ``layout``
+    (ranks per host, see ``gradcoll.model.hierarchy``) adds the two-level
+    allreduce where it spans several hosts with several ranks on one: its
+    steps inside a host under the shm model, between the leaders under the
+    transport's.
     """
     models = stored_models()
     model, cores, max_ranks = models.get(transport or DEFAULT_TRANSPORT) or models[DEFAULT_TRANSPORT]
@@ -96,23 +110,33 @@ def auto_thresholds(size: int, transport: str | None = None) -> tuple[tuple[int,
         return ((0, "recursive_doubling"),)
     node = Node(size, cores) if cores is not None and size <= max_ranks else None
     lo, hi = SEARCH_BYTES
+    if layout is not None and sum(layout) == size and hierarchy.eligible(layout):
+        local = models.get(LOCAL_TRANSPORT, models[DEFAULT_TRANSPORT])[0]
+        up, cross = hierarchy.node_split(layout, node)
+
+        def choose(nbytes: int) -> str:
+            return hierarchy.pick(layout, nbytes, local, model, node=node, node_up=up, node_cross=cross)
+
+        return ((0, choose(lo)),) + tuple((at, after) for at, _, after in hierarchy.crossovers(choose, lo, hi))
     out = [(0, best(size, lo, model, node=node))]
     out.extend((at, after) for at, _, after in crossovers(model, size, lo=lo, hi=hi, node=node))
     return tuple(out)
 
 
-def select_allreduce(nbytes: int, size: int, transport: str | None = None, shared_memory: bool = False) -> str:
+def select_allreduce(nbytes: int, size: int, transport: str | None = None, shared_memory: bool = False,
+                     layout: tuple[int, ...] | None = None) -> str:
     """The algorithm ``algorithm="auto"`` runs for a buffer of ``nbytes`` on ``size`` ranks over ``transport``.
 
     ``direct`` whenever the ranks share memory (``shared_memory``: the
     transport offers a window, ``Transport.shared_memory``) and there are
     two or more. Otherwise the one the cost model predicts fastest (docs/scaling.md, "Crossovers and
     ``algorithm="auto"``"): the thresholds come from [`auto_thresholds`][gradcoll.algorithms.auto_thresholds],
-    computed once per world size and transport name (``"shm"``, ``"tcp"``;
-    other names and None use the ``DEFAULT_TRANSPORT`` model), so a call is
-    a cached lookup and a bisection.
+    computed once per world size, transport name (``"shm"``, ``"tcp"``;
+    other names and None use the ``DEFAULT_TRANSPORT`` model) and host
+    ``layout`` (ranks per host; None: not known, no two-level), so a call
+    is a cached lookup and a bisection.
     """
     if shared_memory and size > 1:
         return "direct"
-    table = auto_thresholds(size, transport)
+    table = auto_thresholds(size, transport, layout)
     return table[bisect.bisect_right(table, (nbytes, "~")) - 1][1]

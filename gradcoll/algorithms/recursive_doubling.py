@@ -39,7 +39,7 @@ from . import tags
 from ._common import Coll, Options, Workspace, combiner, scratch
 from ._guard import guarded_allreduce
 
-__all__ = ["recursive_doubling_allreduce", "butterfly"]
+__all__ = ["recursive_doubling_allreduce", "butterfly", "rd_pass"]
 
 
 def recursive_doubling_allreduce(transport: Transport, buf: np.ndarray, *, op: str = "mean", check_finite: bool = True,
@@ -47,7 +47,7 @@ def recursive_doubling_allreduce(transport: Transport, buf: np.ndarray, *, op: s
                                  backend: str | None = None) -> np.ndarray:
     """Allreduce ``buf`` in place by recursive doubling; returns ``buf``."""
     return guarded_allreduce(transport, buf, Options(op, check_finite, seq, timeout, workspace, backend),
-                             name="recursive-doubling allreduce", algo="recursive_doubling", body=_exchange)
+                             name="recursive-doubling allreduce", algo="recursive_doubling", body=rd_pass)
 
 
 def butterfly(coll: Coll, mine: np.ndarray, phases: tuple[int, int, int], fold_in: Callable[[int, int], None],
@@ -88,9 +88,10 @@ def butterfly(coll: Coll, mine: np.ndarray, phases: tuple[int, int, int], fold_i
         coll.send(me - 1, mine, unfold)
 
 
-def _exchange(coll: Coll, flat: np.ndarray, opts: Options) -> None:
+def rd_pass(coll: Coll, flat: np.ndarray, opts: Options, divisor: int | None = None) -> None:
+    """The allreduce's schedule; ``mean`` divides by ``divisor`` (default the size; see ``ring_pass``)."""
     tmp = scratch(opts.workspace, "rd", flat.size, flat.dtype)
-    combine = combiner(opts, coll.size)  # an overflow marks element 0, which every later round carries
+    combine = combiner(opts, coll.size if divisor is None else divisor)  # an overflow marks element 0, carried on
     last = (1 << (coll.size.bit_length() - 1)).bit_length() - 2
 
     def fold_in(partner: int, tag: int) -> None:

@@ -49,14 +49,16 @@ def ring_allreduce(transport: Transport, buf: np.ndarray, *, op: str = "mean", c
 
 
 def ring_pass(coll: Coll, flat: np.ndarray, opts: Options, *, allgather: bool, shift: int,
-              segment_bytes: int = SEGMENT_BYTES) -> None:
+              segment_bytes: int = SEGMENT_BYTES, divisor: int | None = None) -> None:
     """Run the ring's reduce-scatter (and, with ``allgather``, its allgather) over ``flat``.
 
     ``shift`` rotates the schedule: after reduce-scatter rank ``q`` holds the
     reduced chunk ``q + shift + 1`` (``shift=-1`` gives every rank its own
     chunk, as reduce_scatter wants). A segment whose sum comes out
     non-finite is marked at its first element, so the start of every
-    segment is a marker slot (``Coll.marks``).
+    segment is a marker slot (``Coll.marks``). ``mean`` divides by
+    ``divisor`` (default the ring's size; the two-level allreduce's ring of
+    host leaders divides by the whole group's).
     """
     n, q = coll.size, coll.rank
     right, left = (q + 1) % n, (q - 1) % n
@@ -75,7 +77,7 @@ def ring_pass(coll: Coll, flat: np.ndarray, opts: Options, *, allgather: bool, s
     # and the marker slots.
     units = [(g, a, b) for g in range(total) for a, b in segs(base - g - 1)]
     tmp = scratch(opts.workspace, "ring", (2, min(seg, bounds[1] - bounds[0])), flat.dtype)
-    combine = combiner(opts, n)
+    combine = combiner(opts, n if divisor is None else divisor)
     coll.marks = [a for c in range(n) for a, b in segs(c) if b > a]
     sends: list[list[Request]] = [[] for _ in range(total)]
     reqs: dict[int, Request] = {}

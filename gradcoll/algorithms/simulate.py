@@ -25,6 +25,7 @@ before the layered layout).
 from __future__ import annotations
 
 import threading
+from collections.abc import Hashable, Sequence
 from typing import Any
 
 import numpy as np
@@ -38,23 +39,31 @@ __all__ = ["simulate", "SimWorld", "SimTransport", "SimKernels"]
 
 
 def simulate(algorithm: str, n: int, nbytes: int, model: AlphaBeta, *, elems_per_rank: int = 4,
-             segment_bytes: int | None = None, timeout: float = 60.0) -> list[float]:
+             segment_bytes: int | None = None, timeout: float = 60.0, hosts: Sequence[Hashable] | None = None,
+             local: AlphaBeta | None = None, cross: str = "ring") -> list[float]:
     """Run the real ``algorithm`` allreduce on ``n`` simulated ranks; each rank's virtual seconds.
 
     The buffer is ``n * elems_per_rank`` float32 standing for ``nbytes``.
-    ``segment_bytes`` (ring only) is in virtual bytes; None runs one segment
-    per chunk, as the closed form assumes.
+    ``segment_bytes`` (the ring, and the two-level allreduce's ring between
+    leaders) is in virtual bytes; None runs one segment per chunk, as the
+    closed form assumes. ``hosts`` (a label per rank) and ``local`` (the
+    model of the links inside a host) make a cluster of hosts
+    (``gradcoll.model.sim``); the two-level allreduce gets the same
+    ``hosts`` and runs ``cross`` between the leaders.
     """
     fn = ALLREDUCE.get(algorithm)
     if fn is None:
         raise UsageError(f"unknown algorithm {algorithm!r}")
     count = n * elems_per_rank
     scale = nbytes / (count * 4)
-    world = SimWorld(n, model, scale, max(0.0, 1.0 - model.cache_bytes / nbytes) if nbytes > 0 else 0.0)
+    world = SimWorld(n, model, scale, max(0.0, 1.0 - model.cache_bytes / nbytes) if nbytes > 0 else 0.0,
+                     hosts=hosts, local=local)
     ts = [SimTransport(world, r, timeout) for r in range(n)]
     kw: dict[str, Any] = {"op": "sum", "check_finite": False}
-    if algorithm == "ring":
+    if algorithm in ("ring", "two_level"):
         kw["segment_bytes"] = 1 << 62 if segment_bytes is None else max(4, int(segment_bytes / scale))
+    if algorithm == "two_level":
+        kw.update(hosts=list(hosts) if hosts is not None else None, cross=cross)
     errors: list[BaseException] = []
 
     def rank_main(t: SimTransport) -> None:

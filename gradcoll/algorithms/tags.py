@@ -39,9 +39,12 @@ Phases, the low byte:
 | 4, 5, 6 | recursive-doubling allreduce: fold, butterfly rounds, unfold |
 | 7 | broadcast |
 | 8 | allgather |
+| 9, 10 | two-level allreduce: inside each host, up to its leader and back down |
 | 1 .. 7 | raw-contribution schedules (low-precision and deterministic): reduce-scatter, allgather, up, down, fold, rounds, unfold |
 
-The raw-contribution schedules reuse 1..7: their variant gives them phase-0
+The two-level allreduce's step between host leaders is the ring's (1) or
+recursive doubling's (4, 5, 6) schedule under its own phase-0 tag. The
+raw-contribution schedules reuse 1..7: their variant gives them phase-0
 tags of their own, and the handshake before them (on transports without
 lenient tags) has already agreed on what every rank runs.
 """
@@ -125,6 +128,7 @@ STAR_UP, STAR_DOWN = 2, 3
 RD_FOLD, RD_ROUND, RD_UNFOLD = 4, 5, 6
 BROADCAST = 7
 ALLGATHER = 8
+TWO_LEVEL_UP, TWO_LEVEL_DOWN = 9, 10
 RAW_RS, RAW_AG, RAW_UP, RAW_DOWN, RAW_FOLD, RAW_ROUND, RAW_UNFOLD = range(1, 8)
 
 #: Every schedule's phases, for the table above and its test.
@@ -134,5 +138,6 @@ PHASES: dict[str, tuple[int, ...]] = {
     "recursive_doubling": (RD_FOLD, RD_ROUND, RD_UNFOLD),
     "broadcast": (BROADCAST,),
     "allgather": (ALLGATHER,),
+    "two_level": (TWO_LEVEL_UP, TWO_LEVEL_DOWN),
     "raw": (RAW_RS, RAW_AG, RAW_UP, RAW_DOWN, RAW_FOLD, RAW_ROUND, RAW_UNFOLD),
 }

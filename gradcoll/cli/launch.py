@@ -1,8 +1,12 @@
-"""``gradcoll launch``: start N local ranks of a script, like torchrun on one host.
+"""``gradcoll launch``: start N local ranks of a script, like torchrun on one host (or on each of several).
 
-Each child gets RANK, WORLD_SIZE, LOCAL_RANK, LOCAL_WORLD_SIZE, MASTER_ADDR,
-MASTER_PORT and GRADCOLL_BACKEND, so ``gradcoll.init_process_group()`` with
-``init_method="env://"`` finds its peers. Every line a child prints is
+Each child gets RANK, WORLD_SIZE, LOCAL_RANK, LOCAL_WORLD_SIZE, GROUP_RANK,
+MASTER_ADDR, MASTER_PORT and GRADCOLL_BACKEND, so
+``gradcoll.init_process_group()`` with ``init_method="env://"`` finds its
+peers. On several hosts, start one launcher per host with ``--nnodes`` (the
+number of hosts) and ``--node-rank`` (this host's number, 0 on the host of
+rank 0), the same ``-n`` (ranks per host), ``--master-addr`` (host 0's
+address) and ``--master-port``: host ``k`` runs ranks ``k * n .. k * n + n - 1``. Every line a child prints is
 prefixed with ``[rank]``. When one child fails, the others are stopped
 (SIGTERM, then SIGKILL after a grace period) and the launcher exits non-zero,
 naming the rank and its exit code.
@@ -110,10 +114,16 @@ def launch(
     grace: float = 5.0,
     prefix: bool = True,
     out: OutputSink | None = None,
+    nnodes: int = 1,
+    node_rank: int = 0,
 ) -> LaunchResult:
-    """Run ``cmd`` as ``nprocs`` ranks; stop all when one fails; return how it ended."""
+    """Run ``cmd`` as ``nprocs`` ranks (node ``node_rank`` of ``nnodes``); stop all when one fails; return how it ended."""
     if nprocs < 1:
         raise ValueError(f"nprocs must be >= 1, got {nprocs}")
+    if nnodes < 1 or not 0 <= node_rank < nnodes:
+        raise ValueError(f"node_rank must be in 0..{nnodes - 1} for {nnodes} node(s), got {node_rank}")
+    if nnodes > 1 and master_port is None:
+        raise ValueError("on several nodes every launcher needs the same master_port (and node 0's master_addr)")
     out = out or sys.stdout
     port = master_port or free_port(master_addr)
     lock = threading.Lock()
@@ -121,13 +131,15 @@ def launch(
     pumps: list[threading.Thread] = []
     base = {**os.environ, **(env or {})}
     base.setdefault("PYTHONUNBUFFERED", "1")
-    for r in range(nprocs):
+    for local in range(nprocs):
+        r = node_rank * nprocs + local
         child_env = {
             **base,
             "RANK": str(r),
-            "WORLD_SIZE": str(nprocs),
-            "LOCAL_RANK": str(r),
+            "WORLD_SIZE": str(nnodes * nprocs),
+            "LOCAL_RANK": str(local),
             "LOCAL_WORLD_SIZE": str(nprocs),
+            "GROUP_RANK": str(node_rank),
             "MASTER_ADDR": master_addr,
             "MASTER_PORT": str(port),
             "GRADCOLL_BACKEND": backend,
@@ -189,10 +201,18 @@ def build_parser(sub: argparse._SubParsersAction[argparse.ArgumentParser] | None
 
     p = subcommand(sub, "launch", "start N local ranks of a Python script (like torchrun on one host)",
                    "Start N local ranks of a Python script with RANK, WORLD_SIZE, LOCAL_RANK, LOCAL_WORLD_SIZE, "
-                   "MASTER_ADDR, MASTER_PORT and GRADCOLL_BACKEND set, so that gradcoll.init_process_group() finds "
-                   "its peers. Each output line is prefixed with [rank]; when one rank fails the others are stopped "
-                   "and the exit status is 1.")
-    p.add_argument("-n", "--nprocs", type=positive_int, required=True, metavar="N", help="number of ranks (at least 1)")
+                   "GROUP_RANK, MASTER_ADDR, MASTER_PORT and GRADCOLL_BACKEND set, so that "
+                   "gradcoll.init_process_group() finds its peers. On several hosts run one launcher per host with "
+                   "--nnodes and --node-rank (and the same --master-addr and --master-port). Each output line is "
+                   "prefixed with [rank]; when one rank fails the others are stopped and the exit status is 1.")
+    p.add_argument("-n", "--nprocs", type=positive_int, required=True, metavar="N",
+                   help="number of ranks on this host (at least 1)")
+    p.add_argument("--nnodes", type=positive_int, default=1, metavar="HOSTS",
+                   help="number of hosts, each running its own launcher with the same -n, --master-addr and "
+                        "--master-port; the world has HOSTS x N ranks")
+    p.add_argument("--node-rank", type=int, default=0, metavar="K",
+                   help="this host's number, 0 .. HOSTS-1 (0 hosts rank 0 and the rendezvous); it runs ranks "
+                        "K*N .. K*N+N-1")
     p.add_argument("--backend", default="tcp", choices=["tcp", "shm", "inproc", "mpi"],
                    help="transport the ranks use (GRADCOLL_BACKEND)")
     p.add_argument("--master-addr", default="127.0.0.1", metavar="HOST", help="address of rank 0's rendezvous (MASTER_ADDR)")
@@ -208,6 +228,14 @@ def build_parser(sub: argparse._SubParsersAction[argparse.ArgumentParser] | None
 
 def run_from_args(a: argparse.Namespace) -> int:
     """Execute a parsed ``launch`` command; returns the exit status."""
+    if not 0 <= a.node_rank < a.nnodes:
+        print(f"gradcoll launch: --node-rank {a.node_rank} is not in 0..{a.nnodes - 1} (--nnodes {a.nnodes})",
+              file=sys.stderr)
+        return 2
+    if a.nnodes > 1 and a.master_port is None:
+        print("gradcoll launch: --nnodes > 1 needs --master-port (the same on every host) and --master-addr "
+              "(the address of host 0)", file=sys.stderr)
+        return 2
     res = launch(
         [sys.executable, a.script, *a.args],
         a.nprocs,
@@ -216,6 +244,8 @@ def run_from_args(a: argparse.Namespace) -> int:
         master_port=a.master_port,
         timeout=a.timeout,
         prefix=not a.no_prefix,
+        nnodes=a.nnodes,
+        node_rank=a.node_rank,
     )
     if res.ok:
         return 0

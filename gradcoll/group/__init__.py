@@ -25,14 +25,17 @@ how they are derived are in docs/scaling.md).
 This package is the group layer: `ProcessGroup` (``process_group``), `Work`
 and the in-order executor (``work``), `init_process_group` (``rendezvous``),
 building a group from a store (``connect``), the survivors' agreement of
-``shrink`` and buffer conversion (``buffers``). The front ends build on it;
+``shrink``, buffer conversion (``buffers``), and the host layout and
+subgroups (``topology``, bootstrapped through the parent by ``subgroup``). The front ends build on it;
 it builds on the algorithms, the transports, the bootstrap store and
 `gradcoll.observe`. Inside it the imports point one way:
-``rendezvous -> connect -> shrink, process_group -> work, buffers``; a group
+``rendezvous -> connect -> shrink, process_group -> topology -> subgroup``
+and ``process_group -> work, buffers``; a group
 reaches ``connect`` only through the membership object it is handed.
 """
 
 from .process_group import ProcessGroup, Work
 from .rendezvous import init_process_group
+from .topology import NonMember, new_group
 
-__all__ = ["ProcessGroup", "Work", "init_process_group"]
+__all__ = ["ProcessGroup", "Work", "init_process_group", "new_group", "NonMember"]

@@ -21,6 +21,7 @@ from ..observe.diagnosis import SHRINKING, ControlChannel
 from ..store import PrefixStore, Store
 from .process_group import ProcessGroup
 from .shrink import agree, check_shrinkable
+from .topology import local_host
 
 __all__ = ["connect", "load_backend", "Regroup"]
 
@@ -59,7 +60,7 @@ def connect(ns: Store, backend: str, rank: int, size: int, *, timeout: float, gr
         control = open_control(ns, rank, size, timeout=timeout, host=host, backend=backend,
                                options=transport_options, generation=generation)
         try:
-            _meet(ns, rank, size, timeout)
+            hosts = _meet(ns, rank, size, timeout)
         except BaseException:
             control.close()
             raise
@@ -68,13 +69,13 @@ def connect(ns: Store, backend: str, rank: int, size: int, *, timeout: float, gr
         raise
     kept = {k: v for k, v in group_options.items() if k != "trace"}
     return ProcessGroup(transport, timeout=group_timeout, kernel_backend=kernel_backend,
-                        membership=Regroup(control, kept), **group_options)
+                        membership=Regroup(control, kept), hosts=hosts, **group_options)
 
 
-def _meet(store: Store, rank: int, size: int, timeout: float) -> None:
-    """Wait until every rank has its transport (the store is not needed after this)."""
-    store.set(f"ready/{rank}", b"1")
-    store.wait([f"ready/{r}" for r in range(size)], timeout)
+def _meet(store: Store, rank: int, size: int, timeout: float) -> list[str]:
+    """Wait until every rank has its transport (the store is not needed after this); every rank's host."""
+    store.set(f"ready/{rank}", local_host().encode())
+    return [store.get(f"ready/{r}", timeout).decode(errors="replace") for r in range(size)]
 
 
 class Regroup:
@@ -122,6 +123,10 @@ class Regroup:
             if store is not None:
                 store.close()
             ctl.close()
+
+    def adopt(self, control: ControlChannel) -> Regroup:
+        """The membership of a subgroup of this group, whose control channel is ``control``."""
+        return Regroup(control, self._options)
 
     def close(self) -> None:
         """Close the control channel unless a shrink has taken it. Idempotent."""

@@ -25,12 +25,13 @@ from ..observe.diagnosis import ControlChannel, Diagnostics
 from ..observe.trace import GroupStats, Recorder
 from ..transport.base import Transport
 from .buffers import as_buffer, is_device_array, is_half, tensor_wire, writable_array
+from .topology import Topology
 from .work import Executor, Work
 
 __all__ = ["ProcessGroup", "Work", "Membership"]
 
 
-class ProcessGroup:
+class ProcessGroup(Topology):
     """Collectives over ``transport``: ``allreduce``, ``broadcast``, ``allgather``, ... (see module doc).
 
     ``timeout`` (seconds, default the transport's) bounds every wait for a
@@ -47,12 +48,14 @@ class ProcessGroup:
     is a control channel (stall reports from peers) the group then owns and closes; ``membership`` is what
     [`init_process_group`][gradcoll.group.rendezvous.init_process_group] hands a group instead: a control
     channel it owns, and how the survivors regroup after a failure ([`shrink`][gradcoll.group.ProcessGroup.shrink]).
+    ``hosts``: the host of every rank (``init_process_group`` learns it; see `gradcoll.group.topology`).
     """
 
     def __init__(self, transport: Transport, *, timeout: float | None = None,
-                 segment_bytes: int = SEGMENT_BYTES, kernel_backend: str | None = None,
+                 segment_bytes: int | None = SEGMENT_BYTES, kernel_backend: str | None = None,
                  stall_warning_s: float | None = 10.0, trace: str | None = None, stats_window: int = 1024,
-                 control: ControlChannel | None = None, membership: Membership | None = None) -> None:
+                 control: ControlChannel | None = None, membership: Membership | None = None,
+                 hosts: Sequence[str] | None = None) -> None:
         self.transport = transport
         self.kernel_backend = kernel_backend
         self._pinned: dict[tuple[int, str], tuple[Any, Any]] = {}
@@ -61,14 +64,15 @@ class ProcessGroup:
         self.size: int = transport.size
         """The number of ranks in the group (also available as ``world_size``)."""
         self.timeout = transport.timeout if timeout is None else timeout
-        self.segment_bytes = segment_bytes
+        self.segment_bytes = SEGMENT_BYTES if segment_bytes is None else segment_bytes
         self._ws = Workspace()
+        self._init_hosts(hosts)
         if membership is not None:
             if control is not None:
                 raise UsageError("pass control= or membership= (which brings its control channel), not both")
             control = membership.control
         self._membership = membership
-        rec = Recorder(self.rank, self.size, stats_window)
+        rec = Recorder(self.rank, self.size, stats_window, self.hosts)
         self._exec = Executor(transport, rec)
         self._diag = Diagnostics(self._exec, rec, timeout=self.timeout, stall_warning_s=stall_warning_s, trace=trace,
                                  control=control, owns_control=membership is None)
@@ -128,11 +132,11 @@ class ProcessGroup:
         check_op(op)
         algo = self._pick(algorithm, work.nbytes)
         fn = ALLREDUCE[algo]
-        extra = {"segment_bytes": self.segment_bytes} if algo == "ring" else {}
+        transport, extra = self._call_args(algo, work.nbytes)
         limit = self._timeout(timeout)
 
         def job(seq: int) -> np.ndarray:
-            fn(self.transport, work, op=op, check_finite=check_finite, seq=seq, timeout=limit,
+            fn(transport, work, op=op, check_finite=check_finite, seq=seq, timeout=limit,
                workspace=self._ws, backend=self.kernel_backend, **extra)
             writeback()
             return buf
@@ -153,7 +157,7 @@ class ProcessGroup:
         if op not in ("mean", "sum"):
             raise UsageError(f"wire_dtype= and deterministic= take op 'mean' or 'sum', got {op!r}")
         work, writeback = writable_array(buf, reduce=False)
-        algo = self._pick(algorithm, work.nbytes)
+        algo = self._pick(algorithm, work.nbytes, flat=True)
         limit = self._timeout(timeout)
         fn: Callable[..., Any] = deterministic_allreduce
         kw: dict[str, Any] = {"segment_bytes": self.segment_bytes} if algo == "ring" else {}
@@ -218,17 +222,17 @@ class ProcessGroup:
         plans = []
         for dt, members in groups.items():
             total = sum(a.size for a in members)
-            plans.append((dt, members, total, self._pick(algorithm, total * dt.itemsize)))
+            algo = self._pick(algorithm, total * dt.itemsize)
+            plans.append((dt, members, total, algo, self._call_args(algo, total * dt.itemsize)))
         limit = self._timeout(timeout)
 
         def job(seq: int) -> list[np.ndarray]:
-            for k, (dt, members, total, algo) in enumerate(plans):
+            for k, (dt, members, total, algo, (transport, extra)) in enumerate(plans):
                 fused = self._ws.get("fusion", total, dt)
                 offsets = np.cumsum([0] + [a.size for a in members])
                 for a, lo, hi in zip(members, offsets[:-1], offsets[1:], strict=True):
                     fused[lo:hi].reshape(a.shape)[...] = a
-                extra = {"segment_bytes": self.segment_bytes} if algo == "ring" else {}
-                ALLREDUCE[algo](self.transport, fused, op=op, check_finite=check_finite, seq=seq + k,
+                ALLREDUCE[algo](transport, fused, op=op, check_finite=check_finite, seq=seq + k,
                                 timeout=limit, workspace=self._ws, backend=self.kernel_backend, **extra)
                 for a, lo, hi in zip(members, offsets[:-1], offsets[1:], strict=True):
                     a[...] = fused[lo:hi].reshape(a.shape)
@@ -300,23 +304,30 @@ class ProcessGroup:
     def alloc(self, shape: int | tuple[int, ...], dtype: Any = np.float32, timeout: float | None = None) -> np.ndarray:
         """Collective: a zero-filled array living in this rank's slot of a new shared window (no copy-in).
 
-        Every rank calls it with the same ``shape`` and ``dtype``, in the same
-        order among its collectives. ``allreduce`` of the array, or of a
-        contiguous part of it at the same offset on every rank, reduces it
-        where it lies. It stays valid until the group closes. Needs ranks that
-        share memory (shm, inproc; mpi on one node). See docs/algorithms/direct.md.
+        Every rank calls it with the same ``shape`` and ``dtype``, in the same order among its collectives.
+        ``allreduce`` of the array (or of a contiguous part at the same offset on every rank) reduces it where
+        it lies; it stays valid until the group closes. Needs ranks that share memory (shm, inproc; mpi on one
+        node). See docs/algorithms/direct.md.
         """
         from ..algorithms.direct import alloc
 
         limit = self._timeout(timeout)
         return self._exec.submit("alloc", lambda seq: alloc(self.transport, shape, dtype, limit), False)  # type: ignore[no-any-return]
 
-    def _pick(self, algorithm: str, nbytes: int) -> str:
+    def _pick(self, algorithm: str, nbytes: int, flat: bool = False) -> str:
         if algorithm == "auto":
-            return select_allreduce(nbytes, self.size, self.transport.name, self.transport.shared_memory)
+            layout = None if flat or self.hosts is None else tuple(len(m) for m in self.host_layout())
+            return select_allreduce(nbytes, self.size, self.transport.name, self.transport.shared_memory,
+                                    layout=layout)
         if algorithm not in ALLREDUCE:
             raise UsageError(f"unknown allreduce algorithm {algorithm!r}; known: auto, {', '.join(ALLREDUCE)}")
         return algorithm
+
+    def _call_args(self, algo: str, nbytes: int) -> tuple[Transport, dict[str, Any]]:
+        """The transport ``algo`` runs on and its extra arguments (segments; the two-level's hosts and links)."""
+        if algo == "two_level":
+            return self._two_level(nbytes, self.segment_bytes)
+        return self.transport, {"segment_bytes": self.segment_bytes} if algo == "ring" else {}
 
     # -- diagnosis and membership -------------------------------------------
     def stats(self) -> GroupStats:
@@ -354,6 +365,7 @@ class ProcessGroup:
         running = self._running_seq()
         announce_close(self.transport, running if running is not None else self.seq)
         self.transport.close()
+        self._close_topology()
         self._diag.close()
         if self._membership is not None:
             self._membership.close()
@@ -380,6 +392,9 @@ class Membership(Protocol):
 
     def shrink(self, group: ProcessGroup, timeout: float) -> ProcessGroup:
         """Close ``group``, agree with the survivors on the members left, return their new group."""
+
+    def adopt(self, control: ControlChannel) -> Membership:
+        """The membership of a subgroup whose control channel is ``control``: it shrinks as this one does."""
 
     def close(self) -> None:
         """Close the control channel (if ``shrink`` has not taken it). Idempotent."""

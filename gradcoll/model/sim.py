@@ -55,6 +55,16 @@ Under these rules the times of an allreduce equal the closed forms of
 segment per chunk, the default of ``simulate``), when ``beta`` or ``delta`` is zero:
 with both, the closed form adds the star root's link time and copy time,
 while here its copy out of one message overlaps the next one's arrival.
+**Hosts** (``SimWorld(..., hosts=, local=)``): with a host label per rank
+and a ``local`` model, a message between two ranks of one host moves under
+``local`` (its alpha, beta and copy cost, through the rank's own local
+egress and ingress), any other under the world's model (through the rank's
+network egress and ingress). A rank's network port is its own: a host's
+ranks do not queue for one NIC, which is exact for the ring with ranks
+placed host by host (one rank per host sends across at a time) and for the
+two-level allreduce (only the leaders do). Reductions cost the world's
+``gamma`` wherever the bytes came from.
+
 What the simulation leaves out: ranks sharing a node's cores (``Node``:
 ``switch_s``, the node's CPU shared by its cores, ``wait_share`` of the
 waiting ranks, and the per-core cache shared by the ranks on a core). Every simulated rank
@@ -82,11 +92,24 @@ __all__ = ["SimTransport", "SimWorld", "SimKernels"]
 
 
 class _Msg:
-    __slots__ = ("seq", "tag", "length", "arrival", "vbytes", "copy_start")
+    __slots__ = ("seq", "tag", "length", "arrival", "vbytes", "copy_start", "link")
 
-    def __init__(self, seq: int, tag: int, length: int, arrival: float, vbytes: float, copy_start: float) -> None:
+    def __init__(self, seq: int, tag: int, length: int, arrival: float, vbytes: float, copy_start: float,
+                 link: _Link) -> None:
         self.seq, self.tag, self.length, self.arrival, self.vbytes = seq, tag, length, arrival, vbytes
         self.copy_start = copy_start  # when the sender began copying it in
+        self.link = link  # the medium it moved through
+
+
+class _Link:
+    """One medium's clock constants: latency, seconds per link byte, per copied byte (with the cache terms)."""
+
+    __slots__ = ("alpha", "beta", "delta", "delta_core", "local")
+
+    def __init__(self, model: AlphaBeta, out_of_cache: float, local: bool) -> None:
+        self.alpha, self.beta, self.local = model.alpha_s, model.beta_s_per_byte, local
+        self.delta = model.delta_s_per_byte + model.mem_s_per_byte * out_of_cache
+        self.delta_core = model.delta_s_per_byte
 
 
 class _Pair:
@@ -102,9 +125,12 @@ class _Pair:
 class SimWorld:
     """Shared state of ``size`` simulated ranks: FIFOs of message headers per ordered pair."""
 
-    def __init__(self, size: int, model: AlphaBeta, scale: float = 1.0, out_of_cache: float = 0.0) -> None:
+    def __init__(self, size: int, model: AlphaBeta, scale: float = 1.0, out_of_cache: float = 0.0, *,
+                 hosts: Sequence[object] | None = None, local: AlphaBeta | None = None) -> None:
         if size < 1:
             raise UsageError(f"world size must be >= 1, got {size}")
+        if hosts is not None and len(hosts) != size:
+            raise UsageError(f"hosts names {len(hosts)} ranks, the world has {size}")
         self.size = size
         self.model = model
         self.scale = scale
@@ -116,6 +142,15 @@ class SimWorld:
         self.delta_core = model.delta_s_per_byte
         self.pairs: dict[tuple[int, int], _Pair] = {}
         self._lock = threading.Lock()
+        self.hosts = list(hosts) if hosts is not None else None
+        self.net = _Link(model, out_of_cache, False)
+        self.local = _Link(local or model, out_of_cache, True)
+
+    def link(self, src: int, dst: int) -> _Link:
+        """The medium between ``src`` and ``dst``: the local one inside a host, else the network."""
+        if self.hosts is not None and self.hosts[src] == self.hosts[dst]:
+            return self.local
+        return self.net
 
     def l2(self, vbytes: float) -> float:
         """Extra CPU seconds per byte of a copy or reduction of one ``vbytes`` message: the per-core cache term."""
@@ -168,12 +203,16 @@ class _RecvReq(Request):
                 f"({self._length} bytes), but peer {self._peer} sent seq {msg.seq} tag {msg.tag} "
                 f"({msg.length} bytes) (sim transport)"
             )
-        beta = t.world.model.beta_s_per_byte
-        done = max(msg.arrival, t.ingress_free + beta * msg.vbytes)
-        t.ingress_free = done
+        link = msg.link
+        free = t.local_ingress_free if link.local else t.ingress_free
+        done = max(msg.arrival, free + link.beta * msg.vbytes)
+        if link.local:
+            t.local_ingress_free = done
+        else:
+            t.ingress_free = done
         l2 = t.world.l2(msg.vbytes)
-        copy = (t.world.delta + l2) * msg.vbytes
-        core = (t.world.delta_core + l2) * msg.vbytes
+        copy = (link.delta + l2) * msg.vbytes
+        core = (link.delta_core + l2) * msg.vbytes
         overlap = max(0.0, min(core, msg.copy_start + copy - max(t.clock, msg.copy_start)))  # streamed behind the sender
         t.clock = max(t.clock + copy, done + copy - overlap)
         self._result = msg.length
@@ -196,6 +235,8 @@ class SimTransport(Transport):
         self.clock = 0.0
         self.egress_free = 0.0
         self.ingress_free = 0.0
+        self.local_egress_free = 0.0  # the same for messages inside the host (``SimWorld(hosts=...)``)
+        self.local_ingress_free = 0.0
         #: This rank's kernel backend: pass it as ``backend=`` so that reductions cost virtual time.
         self.kernels = SimKernels(self)
 
@@ -204,19 +245,23 @@ class SimTransport(Transport):
         self._check_peer(peer)
         length = len(as_bytes_view(buf))
         vbytes = length * self.world.scale
-        m = self.world.model
+        link = self.world.link(self.rank, peer)
         copy_start = self.clock
-        self.clock += (self.world.delta + self.world.l2(vbytes)) * vbytes  # the copy in
-        start = max(self.clock, self.egress_free)
-        self.egress_free = start + m.beta_s_per_byte * vbytes
+        self.clock += (link.delta + self.world.l2(vbytes)) * vbytes  # the copy in
+        start = max(self.clock, self.local_egress_free if link.local else self.egress_free)
+        free = start + link.beta * vbytes
+        if link.local:
+            self.local_egress_free = free
+        else:
+            self.egress_free = free
         pair = self.world.pair(self.rank, peer)
         with pair.cond:
             seq = pair.send_seq
             pair.send_seq += 1
-            pair.messages.append(_Msg(seq, tag, length, start + m.alpha_s + m.beta_s_per_byte * vbytes, vbytes,
-                                      copy_start))
+            pair.messages.append(_Msg(seq, tag, length, start + link.alpha + link.beta * vbytes, vbytes,
+                                      copy_start, link))
             pair.cond.notify_all()
-        return _SendReq(self, self.egress_free, length)
+        return _SendReq(self, free, length)
 
     def irecv(self, peer: int, out: Any, tag: int = 0) -> Request:
         """Post a receive of ``len(out)`` bytes; ``out`` is never written."""

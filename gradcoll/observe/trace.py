@@ -7,6 +7,10 @@ inside the transport (``wait_s``; the rest of the duration is copying,
 reducing and Python). The last ``window`` records are kept in a ring buffer;
 the per-operation totals cover every collective since the group was built.
 
+``stats().hosts`` is the group's host layout (the host of every rank), and
+a trace names each rank's track ``rank R @ HOST`` and keeps the layout
+under ``otherData.gradcoll.hosts``.
+
 A trace is the same records written as Chrome trace JSON (``chrome://tracing``,
 Perfetto): ``{"traceEvents": [...]}`` with one complete event (``ph "X"``) per
 collective and ``pid`` = rank, so each rank is one track. Each rank writes
@@ -84,6 +88,15 @@ class GroupStats:
     wait_s: float
     ops: dict[str, OpStats] = field(default_factory=dict)
     recent: list[CollectiveRecord] = field(default_factory=list)
+    hosts: tuple[str, ...] | None = None
+    """The host of every rank (None when the group does not know its layout)."""
+
+    @property
+    def host_ranks(self) -> tuple[int, ...]:
+        """The ranks on this rank's host (this one alone when the layout is unknown)."""
+        if self.hosts is None:
+            return (self.rank,)
+        return tuple(r for r, h in enumerate(self.hosts) if h == self.hosts[self.rank])
 
 
 _OPS = ("allreduce_many", "allreduce", "broadcast", "allgather", "reduce_scatter", "barrier")
@@ -101,8 +114,8 @@ def _split(name: str) -> tuple[str, str]:
 class Recorder:
     """The records of one group (not thread-safe: a group runs one collective at a time)."""
 
-    def __init__(self, rank: int, size: int, window: int = 1024) -> None:
-        self.rank, self.size = rank, size
+    def __init__(self, rank: int, size: int, window: int = 1024, hosts: tuple[str, ...] | None = None) -> None:
+        self.rank, self.size, self.hosts = rank, size, hosts
         self._recent: collections.deque[tuple[Any, ...]] = collections.deque(maxlen=max(1, window))
         self._totals: dict[str, list[float]] = {}  # op -> [count, bytes, total_s, wait_s, failed]
         self._ops: dict[str, str] = {}  # collective name -> op, parsed once
@@ -161,7 +174,7 @@ class Recorder:
             rank=self.rank, size=self.size,
             count=sum(s.count for s in ops.values()), bytes=sum(s.bytes for s in ops.values()),
             total_s=sum(s.total_s for s in ops.values()), wait_s=sum(s.wait_s for s in ops.values()),
-            ops=ops, recent=[self._record(r) for r in self._recent],
+            ops=ops, recent=[self._record(r) for r in self._recent], hosts=self.hosts,
         )
 
     # -- tracing -------------------------------------------------------------
@@ -181,10 +194,13 @@ class Recorder:
         if path is None or events is None:
             return None
         out = trace_path(path, self.rank, self.size)
-        meta = [{"name": "process_name", "ph": "M", "pid": self.rank, "tid": 0, "args": {"name": f"rank {self.rank}"}},
+        host = f" @ {self.hosts[self.rank]}" if self.hosts is not None else ""
+        meta = [{"name": "process_name", "ph": "M", "pid": self.rank, "tid": 0,
+                 "args": {"name": f"rank {self.rank}{host}"}},
                 {"name": "process_sort_index", "ph": "M", "pid": self.rank, "tid": 0, "args": {"sort_index": self.rank}}]
         doc = {"traceEvents": meta + list(events), "displayTimeUnit": "ms",
-               "otherData": {"gradcoll": {"rank": self.rank, "size": self.size}}}
+               "otherData": {"gradcoll": {"rank": self.rank, "size": self.size,
+                                          "hosts": None if self.hosts is None else list(self.hosts)}}}
         tmp = f"{out}.tmp{os.getpid()}"
         with open(tmp, "w", encoding="utf-8") as f:
             json.dump(doc, f)

@@ -15,7 +15,19 @@ of the transport with ``poll`` (busy-polling for the first 50 us) until its
 own operation is done, so a ring's pending send keeps moving while the caller
 waits for the left neighbour, and two peers exchanging 64 MiB at once never
 deadlock. Receives land directly in the caller's buffer (``recvmsg_into`` /
-``recv_into``, no staging copy).
+``recv_into``, no staging copy). The send, receive and wait loops run
+compiled and without the GIL where ``_tcp_io`` was built (same bytes on the
+wire); ``GRADCOLL_TCP_PURE_PYTHON=1`` or a missing extension runs them here.
+
+Dead links: every socket has TCP keepalive and ``TCP_USER_TIMEOUT`` set
+(``set_liveness``, ``gradcoll.transport.tcp_liveness``), so a peer that falls silent without closing (a pulled
+cable, a host that lost power, a partition: no FIN, no RST) is found by the
+kernel: an idle link is probed every ``heartbeat_s`` seconds, and a link
+whose probes or data go unanswered for ``link_timeout`` seconds is dropped.
+Its pending and later operations raise TransportBroken saying the peer is
+unreachable, within ``link_timeout + heartbeat_s`` of the loss, however long
+the collective's own timeout. The kernel answers the probes, so a peer busy
+computing (or stopped in a debugger) is never taken for dead.
 
 Queues, ordering, timeouts and the one-driver-at-a-time waiting live in
 ``FramedTransport`` (``gradcoll.transport._engine``); a socketpair wakes the
@@ -25,25 +37,41 @@ driver when another thread queues work. Frame codec:
 
 from __future__ import annotations
 
+import array
+import importlib
+import os
 import select
 import socket
 import time
+from types import ModuleType
 from typing import cast
 
 from .. import _auth
 from .._util import Deadline
-from ..errors import ProtocolError, TransportAborted, TransportBroken, TransportClosed
+from ..errors import ProtocolError, TransportAborted, TransportBroken, TransportClosed, UsageError
 from ..store import Store
 from . import frame as fr
 from ._engine import FramedTransport, Link, Op
 from .tcp_connect import SOCKBUF, connect
+from .tcp_liveness import HEARTBEAT_S, LINK_TIMEOUT_S, set_liveness, unreachable_or_broken
 
-__all__ = ["TcpTransport", "create", "SOCKBUF", "SPIN_S"]
+__all__ = ["TcpTransport", "create", "set_liveness", "SOCKBUF", "SPIN_S", "HEARTBEAT_S", "LINK_TIMEOUT_S"]
 
 SPIN_S = 50e-6  # busy-poll this long before blocking in poll()
 _HDR = fr.HEADER_SIZE
 
 
+def _compiled() -> ModuleType | None:
+    """The compiled send/receive/wait loops (``_tcp_io.pyx``), or None: the same loops in Python, slower."""
+    if os.environ.get("GRADCOLL_TCP_PURE_PYTHON"):
+        return None
+    try:
+        return importlib.import_module("gradcoll.transport._tcp_io")
+    except ImportError:
+        return None
+
+
+_IO = _compiled()
 class _SockLink(Link):
     """A link over one connected, non-blocking socket."""
 
@@ -87,9 +115,14 @@ class TcpTransport(FramedTransport):
 
     name = "tcp"
 
-    def __init__(self, rank: int, size: int, socks: dict[int, socket.socket], timeout: float = 300.0) -> None:
+    def __init__(self, rank: int, size: int, socks: dict[int, socket.socket], timeout: float = 300.0, *,
+                 heartbeat_s: float = HEARTBEAT_S, link_timeout: float = LINK_TIMEOUT_S) -> None:
+        if not heartbeat_s > 0 or not link_timeout > 0:
+            raise UsageError(f"heartbeat_s and link_timeout must be positive, got {heartbeat_s!r}, {link_timeout!r}")
+        self.heartbeat_s, self.link_timeout = float(heartbeat_s), float(link_timeout)
         for s in socks.values():
             s.setblocking(False)
+            set_liveness(s, heartbeat_s, link_timeout)
         super().__init__(rank, size, {p: _SockLink(p, s) for p, s in socks.items()}, timeout)
         self._peers: list[_SockLink] = [cast(_SockLink, ln) for ln in self._links if ln is not None]
         self._poll = select.poll()
@@ -99,10 +132,15 @@ class TcpTransport(FramedTransport):
         self._poll.register(self._wake_r.fileno(), select.POLLIN)
         self._idle_since = 0.0
         self._spin = SPIN_S
+        # The compiled wait's poll set: slot 0 the wake socket, slot i the i-th peer (fd -1, ignored by
+        # poll, while nothing is queued on it); updated in place, never rebuilt.
+        self._fds = array.array("i", [self._wake_r.fileno()] + [-1] * len(self._peers))
+        self._events = array.array("h", [select.POLLIN] + [0] * len(self._peers))
+        self._revents = array.array("h", [0] * (1 + len(self._peers)))
 
     # -- waiting ---------------------------------------------------------
     def _before_idle(self) -> None:
-        for link in self._peers:
+        for i, link in enumerate(self._peers, 1):
             mask = (select.POLLIN if link.recvq else 0) | (select.POLLOUT if link.sendq else 0)
             if mask != link.events:
                 if link.events == 0:
@@ -111,22 +149,33 @@ class TcpTransport(FramedTransport):
                     self._poll.unregister(link.fd)
                 else:
                     self._poll.modify(link.fd, mask)
-                link.events = mask
+                link.events = self._events[i] = mask
+                self._fds[i] = link.fd if mask else -1
 
     def _idle(self, rounds: int, deadline: Deadline) -> None:
-        # Busy-poll briefly before sleeping in poll(): waking a sleeping process
-        # costs tens of microseconds, more than a small message's round trip.
+        # Poll without blocking for the first SPIN_S, yielding the CPU in between (a peer that shares this
+        # core runs meanwhile), then sleep in poll(): waking a sleeping process costs tens of microseconds,
+        # more than a small message's round trip. The compiled loop does it without the GIL.
+        left, now = deadline.remaining(), time.monotonic()
         if rounds <= 1:
-            self._idle_since = time.monotonic()
-        left = deadline.remaining()
-        if time.monotonic() - self._idle_since < self._spin:
+            self._idle_since = now
+        spin = max(0.0, self._idle_since + self._spin - now)  # what is left of this wait's spin
+        if _IO is not None and len(self._fds) <= 64:
+            if _IO.wait(self._fds, self._events, self._revents, spin, -1.0 if left is None else left) \
+                    and self._revents[0]:
+                self._drain_wake()
+            return
+        if spin:
             left = 0.0
         for fd, _ in self._poll.poll(None if left is None else left * 1000.0):
             if fd == self._wake_r.fileno():
-                try:
-                    self._wake_r.recv(4096)
-                except OSError:
-                    pass
+                self._drain_wake()
+
+    def _drain_wake(self) -> None:
+        try:
+            self._wake_r.recv(4096)
+        except OSError:
+            pass
 
     def _wake_driver(self) -> None:
         try:
@@ -143,7 +192,12 @@ class TcpTransport(FramedTransport):
                 op.seq, link.send_seq = link.send_seq, link.send_seq + 1
                 op.hdr = fr.pack_header(op.seq, op.tag, op.total)
             try:
-                if op.off < _HDR:  # gather: header and payload in one syscall
+                if _IO is not None:  # every sendmsg until the frame is out or the socket is full, in C
+                    n, err = _IO.push(link.fd, op.hdr, op.view, op.off)
+                    if err:
+                        raise OSError(err, os.strerror(err))
+                    n -= op.off
+                elif op.off < _HDR:  # gather: header and payload in one syscall
                     n = link.sock.sendmsg([op.hdr[op.off :], op.view])
                 else:
                     n = link.sock.send(op.view[op.off - _HDR :])
@@ -167,17 +221,25 @@ class TcpTransport(FramedTransport):
                 op.hdr = bytearray(_HDR)
                 op.seq = link.recv_seq
             try:
-                if op.off < _HDR:  # scatter: header and payload in one syscall
-                    bufs = [memoryview(op.hdr)[op.off :]]
-                    if op.total:
-                        bufs.append(op.view)
+                if _IO is not None and not link.stash:  # recvmsg until done, empty or a header is in, in C
+                    n, err, eof = _IO.pull(link.fd, op.hdr, op.view, op.off)
+                    if err:
+                        raise OSError(err, os.strerror(err))
+                    n -= op.off
+                    if n == 0 and not eof:
+                        return finished
                 else:
-                    bufs = [op.view[op.off - _HDR :]]
-                n = _read_stash(link, bufs) if link.stash else link.sock.recvmsg_into(bufs)[0]
+                    if op.off < _HDR:  # scatter: header and payload in one syscall
+                        bufs = [memoryview(op.hdr)[op.off :]]
+                        if op.total:
+                            bufs.append(op.view)
+                    else:
+                        bufs = [op.view[op.off - _HDR :]]
+                    n = _read_stash(link, bufs) if link.stash else link.sock.recvmsg_into(bufs)[0]
             except (BlockingIOError, InterruptedError):
                 return finished
             except OSError as e:
-                self._fail(link, TransportBroken, f"link broke ({e.strerror or e})", e)
+                self._fail(link, TransportBroken, unreachable_or_broken(link.peer, e, self.link_timeout, self.heartbeat_s), e)
                 return True
             if n == 0:
                 where = "in the middle of a message" if op.off else "without an orderly close (process died?)"
@@ -206,7 +268,7 @@ class TcpTransport(FramedTransport):
         # EPIPE/ECONNRESET also follow an orderly close; if the peer's CLOSE
         # frame is next in the stream, report "closed", not "broken".
         cls: type[TransportBroken | TransportClosed] = TransportBroken
-        reason = f"link broke ({e.strerror or e})"
+        reason = unreachable_or_broken(link.peer, e, self.link_timeout, self.heartbeat_s)
         if not (link.recvq and link.recvq[0].off):
             try:
                 head = link.sock.recv(_HDR, socket.MSG_PEEK | socket.MSG_DONTWAIT)
@@ -282,6 +344,8 @@ def create(
     sockbuf: int = SOCKBUF,
     key_prefix: str = "tcp",
     secret: bytes | str | None = None,
+    heartbeat_s: float = HEARTBEAT_S,
+    link_timeout: float = LINK_TIMEOUT_S,
 ) -> TcpTransport:
     """Connect ``rank`` to every other rank over TCP, exchanging addresses through ``store``.
 
@@ -294,7 +358,14 @@ def create(
     becomes the transport's default timeout. ``secret`` (default
     ``$GRADCOLL_SECRET``): every link proves both ends know it (mutual HMAC
     challenge-response); a peer without it is refused and logged.
+    ``heartbeat_s`` and ``link_timeout`` say how fast a silent peer is found
+    (module docstring).
     """
     socks = connect(store, rank, size, Deadline(timeout), host=host, sockbuf=sockbuf, key_prefix=key_prefix,
                     key=_auth.resolve(secret))
-    return TcpTransport(rank, size, socks, timeout=timeout)
+    try:
+        return TcpTransport(rank, size, socks, timeout=timeout, heartbeat_s=heartbeat_s, link_timeout=link_timeout)
+    except BaseException:
+        for s in socks.values():
+            s.close()
+        raise

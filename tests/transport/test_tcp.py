@@ -7,8 +7,11 @@ so protocol faults are produced byte for byte.
 
 from __future__ import annotations
 
+import os
 import socket
 import struct
+import subprocess
+import sys
 import threading
 import time
 
@@ -23,8 +26,19 @@ from gradcoll.transport import tcp
 from tests.helpers import spawn_ranks
 
 
+@pytest.fixture(params=["compiled", "python"])
+def io_path(request, monkeypatch):
+    """Run the test over the compiled send/receive loops and over their pure-Python fallback."""
+    if request.param == "compiled":
+        if tcp._IO is None:
+            pytest.skip("gradcoll.transport._tcp_io is not built: `make install` compiles it")
+    else:
+        monkeypatch.setattr(tcp, "_IO", None)
+    return request.param
+
+
 @pytest.fixture
-def pair():
+def pair(io_path):
     group = threaded_group(tcp.create, 2, timeout=10)
     yield group
     for t in group:
@@ -32,13 +46,35 @@ def pair():
 
 
 @pytest.fixture
-def raw():
+def raw(io_path):
     """A TcpTransport (rank 0) whose peer (rank 1) is a raw socket the test drives byte by byte."""
     mine, theirs = socket.socketpair()
     t = tcp.TcpTransport(0, 2, {1: mine}, timeout=10)
     yield t, theirs
     t.close()
     theirs.close()
+
+
+# -- the compiled loops and their fallback -------------------------------------
+def test_the_compiled_loops_are_built_by_make_install() -> None:
+    if os.environ.get("GRADCOLL_REQUIRE_EXTENSION") == "1":
+        assert tcp._IO is not None, "gradcoll.transport._tcp_io did not build"
+
+
+def test_without_the_compiled_module_tcp_falls_back_to_python() -> None:
+    code = (
+        "import sys; sys.modules['gradcoll.transport._tcp_io'] = None\n"  # as if it was never built
+        "import numpy as np, gradcoll\n"
+        "from gradcoll.transport import tcp\n"
+        "from gradcoll.testing import threaded_group\n"
+        "assert tcp._IO is None\n"
+        "a, b = threaded_group(tcp.create, 2, timeout=10)\n"
+        "x = np.arange(1 << 18, dtype=np.float32); out = np.empty_like(x)\n"
+        "req = b.irecv(0, out); a.send(1, x); req.wait(10)\n"
+        "assert (out == x).all(); a.close(); b.close(); print('ok')\n"
+    )
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60)
+    assert done.returncode == 0 and done.stdout.strip() == "ok", done.stderr
 
 
 # -- bootstrap ---------------------------------------------------------------
@@ -110,40 +146,40 @@ def test_frames_on_the_wire(raw) -> None:
     assert t.recv(1, out, tag=9) == 4 and out == b"wxyz"
 
 
-class _FullSocket:
-    """The transport's socket, with its send buffer full (not a byte accepted) until ``full`` is cleared."""
+def _fill(sock: socket.socket) -> int:
+    """Write filler bytes into ``sock`` until the kernel takes no more (the peer reads none); how many."""
+    n, chunk = 0, 1 << 16
+    while chunk:
+        try:
+            n += sock.send(bytes(chunk), socket.MSG_DONTWAIT)
+        except BlockingIOError:
+            chunk //= 2
+    return n
 
-    def __init__(self, sock: socket.socket) -> None:
-        self.sock, self.full = sock, True
 
-    def sendmsg(self, *args):
-        if self.full:
-            raise BlockingIOError
-        return self.sock.sendmsg(*args)
-
-    def send(self, *args):
-        if self.full:
-            raise BlockingIOError
-        return self.sock.send(*args)
-
-    def __getattr__(self, name: str):
-        return getattr(self.sock, name)
+def _read_exactly(sock: socket.socket, n: int) -> bytes:
+    out = bytearray()
+    while len(out) < n:
+        part = sock.recv(n - len(out))
+        assert part, "the transport closed the stream early"
+        out += part
+    return bytes(out)
 
 
 @pytest.mark.parametrize("withdraw", ["cancel", "timeout"])
 def test_a_send_withdrawn_before_its_first_byte_gives_its_seq_back(raw, withdraw: str) -> None:
     t, peer = raw
-    link = t._links[1]
-    link.sock = full = _FullSocket(link.sock)
+    peer.settimeout(10)
+    filler = _fill(t._links[1].sock)  # the socket is really full: not a byte of the next frame fits
     req = t.isend(1, b"never", tag=5)  # numbered seq 0 at the head of the queue, not a byte written
     if withdraw == "cancel":
         assert req.cancel() and req.test() and req.wait(1) == 0
     else:
         with pytest.raises(CollectiveTimeout, match="peer 1"):
             req.wait(0.2)
-    full.full = False
+    assert _read_exactly(peer, filler) == bytes(filler)
     t.send(1, b"abc", tag=7)
-    assert peer.recv(64) == fr.pack_header(0, 7, 3) + b"abc"  # seq 0 again: the stream has no gap
+    assert _read_exactly(peer, fr.HEADER_SIZE + 3) == fr.pack_header(0, 7, 3) + b"abc"  # seq 0 again: no gap
 
 
 @pytest.mark.parametrize(

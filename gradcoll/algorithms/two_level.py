@@ -1,0 +1,199 @@
+"""Two-level allreduce: reduce inside each host, allreduce between one leader per host, broadcast inside the host.
+
+For a group that spans hosts with more than one rank on a host. ``hosts``
+gives each rank's host (any hashable label, one per rank); the ranks of a
+host, in rank order, are its *members* and the first of them its *leader*.
+With ``H`` hosts, ``n`` ranks and a buffer of ``S`` bytes:
+
+1. **Inside each host, up to the leader** (phase ``TWO_LEVEL_UP``): every
+   member sends its buffer to the leader, which adds the ``L`` rows in
+   member order with one fused kernel call (the star's reduction: one
+   pass, every element checked). The leader receives ``(L - 1) S``.
+2. **Between the leaders**: the leaders run the ring (default) or recursive
+   doubling over their ``H`` ranks, through the group's own transport
+   (``cross=``). ``mean`` divides by ``n`` in the last addition, as the
+   flat algorithms do; step 1 then sums. Each leader sends
+   ``2 (H - 1) / H S`` bytes (ring) or ``S log2 H`` (recursive doubling)
+   across hosts; the other ranks wait.
+3. **Inside each host, down** (phase ``TWO_LEVEL_DOWN``): the leader sends
+   the result to every member (``(L - 1) S`` out of the leader).
+
+So only the leaders use the network, ``2 (H - 1)`` message latencies
+between hosts for the ring instead of the flat ring's ``2 (n - 1)``. The
+result is bitwise identical on every rank: the leaders' step gives every
+leader the same bits (see ring, recursive doubling), and step 3 copies
+them. It runs in the guarded frame of every allreduce
+(``gradcoll.algorithms._guard``) over the transport it is given, which
+must reach every rank: for a group over tcp that is a
+``gradcoll.transport.routed.RoutedTransport``, which takes a host's peers
+through shared memory, so steps 1 and 3 never touch a socket, and the error
+path still reaches every rank. Steps 1 and 3 are one pluggable pair
+(``INTRA``, chosen by ``intra=``): the place where a shared-memory window
+(the members reduce straight into one buffer) replaces the messages. An
+overflow in a leader's step 2 is planted at element 0 before step 3, so
+every member finds the marker there. See docs/algorithms/two_level.md.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+from collections.abc import Callable, Hashable, Sequence
+
+import numpy as np
+
+from ..errors import UsageError
+from ..transport.base import Request, Transport
+from . import tags
+from ._common import Coll, Options, Workspace, plant, scratch
+from ._guard import first_marker, guarded_allreduce
+from .recursive_doubling import rd_pass
+from .ring import SEGMENT_BYTES, ring_pass
+from .star import _reduce_rows
+
+__all__ = ["two_level_allreduce", "host_layout", "INTRA", "CROSS", "Leaders"]
+
+#: Steps 1 and 3, by name: ``(reduce(coll, flat, opts, members), broadcast(coll, flat, members))``; the leader
+#: (``members[0]``) ends step 1 with the host's sum (``opts.op``) and sends it to the members in step 3.
+IntraStep = tuple[Callable[[Coll, np.ndarray, Options, list[int]], None], Callable[[Coll, np.ndarray, list[int]], None]]
+
+
+def host_layout(hosts: Sequence[Hashable]) -> list[list[int]]:
+    """The ranks of each host, in rank order; hosts in the order of their lowest rank."""
+    by: dict[Hashable, list[int]] = {}
+    for r, h in enumerate(hosts):
+        by.setdefault(h, []).append(r)
+    return list(by.values())
+
+
+def two_level_allreduce(transport: Transport, buf: np.ndarray, *, hosts: Sequence[Hashable] | None = None, op: str = "mean",
+                        check_finite: bool = True, seq: int = 0, timeout: float | None = None,
+                        workspace: Workspace | None = None, backend: str | None = None, cross: str = "ring",
+                        segment_bytes: int = SEGMENT_BYTES, intra: str = "star") -> np.ndarray:
+    """Allreduce ``buf`` in place: inside each host of ``hosts``, between the host leaders, back; returns ``buf``.
+
+    ``hosts`` labels each rank's host (None: every rank on one host, which makes it a star allreduce).
+    """
+    if hosts is None:
+        hosts = [0] * transport.size
+    if len(hosts) != transport.size:
+        raise UsageError(f"rank {transport.rank}: hosts names {len(hosts)} ranks, the group has {transport.size}")
+    if cross not in CROSS:
+        raise UsageError(f"cross must be one of {', '.join(CROSS)}; got {cross!r}")
+    if intra not in INTRA:
+        raise UsageError(f"intra must be one of {', '.join(INTRA)}; got {intra!r}")
+    layout = host_layout(hosts)
+    reduce_up, broadcast_down = INTRA[intra]
+
+    def body(coll: Coll, flat: np.ndarray, opts: Options) -> None:
+        members = next(m for m in layout if coll.rank in m)
+        multi = len(layout) > 1
+        coll.begin(3)
+        coll.step = 1
+        reduce_up(coll, flat, dataclasses.replace(opts, op=_up_op(opts.op, multi)), members)
+        if coll.rank == members[0] and multi:
+            coll.step = 2
+            leaders = Leaders(coll, [m[0] for m in layout])
+            CROSS[cross](leaders, flat, opts, segment_bytes, coll.size)
+            bad = first_marker(leaders, flat) if opts.check_finite and flat.size else None
+            if bad is not None and math.isfinite(flat[0]):
+                plant(flat)  # where every member looks for it (``coll.marks`` stays at element 0)
+        coll.step = 3
+        broadcast_down(coll, flat, members)
+
+    return guarded_allreduce(transport, buf, Options(op, check_finite, seq, timeout, workspace, backend),
+                             name="two-level allreduce", algo="two_level", body=body)
+
+
+def _up_op(op: str, multi: bool) -> str:
+    """Step 1's op: a mean over several hosts sums first (the leaders divide by the whole group)."""
+    return "sum" if op == "mean" and multi else op
+
+
+class Leaders(Coll):
+    """The host leaders' view of a collective: ranks ``0 .. H-1`` of step 2, whose peers are the group's ranks.
+
+    A schedule written for a whole group (``ring_pass``, ``rd_pass``) runs
+    on it unchanged; every message goes to ``members[peer]`` on the group's
+    transport, under the collective's own tags, deadline and list of
+    pending receives, and errors are worded by the collective itself, in
+    the group's numbering.
+    """
+
+    __slots__ = ("outer", "members")
+
+    def __init__(self, outer: Coll, members: list[int]) -> None:  # not Coll.__init__: it shares outer's state
+        self.outer, self.members = outer, members
+        self.t, self.rank, self.size = outer.t, members.index(outer.rank), len(members)
+        self.name, self.seq, self.nbytes, self.timeout = outer.name, outer.seq, outer.nbytes, outer.timeout
+        self.deadline, self.step, self.steps = outer.deadline, 0, 0
+        self.tag0, self.desc, self.status, self.pending = outer.tag0, outer.desc, outer.status, outer.pending
+        self.marks: Sequence[int] = (0,)
+
+    def begin(self, steps: int) -> None:
+        """Count this step's rounds; the collective's deadline goes on."""
+        self.steps, self.step = steps, 0
+
+    def translate(self, exc: BaseException, peer: int) -> BaseException:
+        return self.outer.translate(exc, peer)
+
+    def isend(self, peer: int, buf: object, tag: int) -> Request:
+        return super().isend(self.members[peer], buf, tag)
+
+    def irecv(self, peer: int, out: object, tag: int) -> Request:
+        return super().irecv(self.members[peer], out, tag)
+
+    def wait(self, req: Request, peer: int) -> int:
+        return super().wait(req, self.members[peer])
+
+    def sendrecv(self, peer: int, sendbuf: object, recvbuf: object, tag: int) -> None:
+        super().sendrecv(self.members[peer], sendbuf, recvbuf, tag)
+
+
+def _cross_ring(coll: Coll, flat: np.ndarray, opts: Options, segment_bytes: int, n: int) -> None:
+    ring_pass(coll, flat, opts, allgather=True, shift=0, segment_bytes=segment_bytes, divisor=n)
+
+
+def _cross_rd(coll: Coll, flat: np.ndarray, opts: Options, segment_bytes: int, n: int) -> None:
+    rd_pass(coll, flat, opts, divisor=n)
+
+
+#: Step 2 by name: ``fn(leaders, flat, opts, segment_bytes, n)``, the group's size ``n`` dividing a mean.
+CROSS: dict[str, Callable[[Coll, np.ndarray, Options, int, int], None]] = {
+    "ring": _cross_ring,
+    "recursive_doubling": _cross_rd,
+}
+
+
+def star_up(coll: Coll, flat: np.ndarray, opts: Options, members: list[int]) -> None:
+    """Step 1 by messages: every member sends its buffer to the leader, which adds the rows in member order."""
+    if len(members) == 1:
+        return
+    leader, up = members[0], coll.tag0 + tags.TWO_LEVEL_UP
+    if coll.rank != leader:
+        coll.send(leader, flat, up)
+        return
+    rows = scratch(opts.workspace, "two_level", (len(members), flat.size), flat.dtype)
+    reqs = [coll.irecv(p, rows[i], up) for i, p in enumerate(members[1:], 1)]
+    np.copyto(rows[0], flat)
+    for p, req in zip(members[1:], reqs, strict=True):
+        coll.wait(req, p)
+    if flat.size:
+        _reduce_rows(rows, flat, opts)
+
+
+def star_down(coll: Coll, flat: np.ndarray, members: list[int]) -> None:
+    """Step 3 by messages: the leader sends the result to every member."""
+    if len(members) == 1:
+        return
+    leader, down = members[0], coll.tag0 + tags.TWO_LEVEL_DOWN
+    if coll.rank != leader:
+        coll.recv(leader, flat, down)
+        return
+    sends = [coll.isend(p, flat, down) for p in members[1:]]
+    for p, req in zip(members[1:], sends, strict=True):
+        coll.wait(req, p)
+
+
+#: Steps 1 and 3 by name (``intra=``): ``"star"`` sends messages through the transport's same-host links.
+INTRA: dict[str, IntraStep] = {"star": (star_up, star_down)}

@@ -1,0 +1,156 @@
+"""The cost model of a group spanning hosts: the two-level allreduce's terms, and where it beats the flat ones.
+
+A *layout* is the number of ranks on each host (``(4, 4)``: two hosts of
+four). The two-level allreduce (``gradcoll.algorithms.two_level``) is three
+steps, and its time their sum:
+
+* inside each host, up to the leader and back down: exactly the star
+  allreduce's two steps on the ``L`` ranks of the largest host, so the
+  star's terms (``costmodel.work``) under the *local* model (shared memory);
+* between the ``H`` leaders: the better of the ring and recursive doubling
+  on ``H`` ranks under the *network* model, while the other ranks wait.
+
+So ``two_level(S) = star(L, S; local) + min(ring, rd)(H, S; net)``.
+[`two_level_time`][gradcoll.model.hierarchy.two_level_time] computes it
+with the closed forms of ``gradcoll.model.costmodel``; ``node_up`` and
+``node_cross`` are the ``Node`` (ranks sharing cores) each step runs on.
+A flat algorithm on a group over one transport pays that transport on every
+link: ``algorithm="auto"`` predicts it with ``costmodel.predict`` under the
+transport's model, as on one host. On a cluster whose links inside a host
+are faster than between hosts, [`flat_time`][gradcoll.model.hierarchy.flat_time]
+gives the flat ring and recursive doubling with ranks placed host by host:
+
+* recursive doubling: its first ``log2 L`` rounds pair ranks of one host,
+  the other ``log2 H`` cross: ``rd(L, S; local) + rd(H, S; net)`` (``n`` a
+  power of two);
+* the ring: a value travels ``2 (n - 1)`` hops, about ``2 (n - 1) / n`` times
+  round the ring, so its latency is that many times the sum over the links
+  (``H`` between hosts, ``n - H`` inside), plus the reductions; unless a
+  rank sending across, ``2 (n - 1)`` times ``beta S / n`` of network, is
+  slower (then that, plus the reductions): the larger of the two. Within
+  about 10% of the simulation (an upper bound for large buffers, where the
+  simulated ring hides part of the reduction behind the link).
+
+`gradcoll.algorithms.simulate` runs the real code over a simulated network
+with both models (``hosts=``, ``local=``) and checks these closed forms
+(tests/model/test_hierarchy.py).
+
+[`crossovers`][gradcoll.model.hierarchy.crossovers] lists where the fastest
+of the flat algorithms and the two-level one changes: ``algorithm="auto"``
+takes its thresholds from it for a group whose layout has more than one
+host and more than one rank on some host.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Callable, Sequence
+
+from ..errors import UsageError
+from .costmodel import ALGORITHMS, AlphaBeta, Node, best, predict
+
+__all__ = ["two_level_time", "step_times", "flat_time", "pick", "crossovers", "eligible", "node_split", "CROSS"]
+
+#: The algorithms the leaders may run between hosts.
+CROSS = ("ring", "recursive_doubling")
+
+
+def eligible(layout: Sequence[int]) -> bool:
+    """True when the two-level allreduce differs from a flat one: several hosts, several ranks on one."""
+    return len(layout) > 1 and max(layout) > 1
+
+
+def node_split(layout: Sequence[int], node: Node | None) -> tuple[Node | None, Node | None]:
+    """The nodes of the two-level steps when every rank of ``layout`` shares ``node``'s cores (one machine).
+
+    Inside the hosts, the ``H`` hosts' steps run at once, so each host's ``L``
+    ranks get ``L / n`` of the cores; between the hosts, the ``H`` leaders share
+    them all. ``None`` (a core per rank) stays None.
+    """
+    if node is None:
+        return None, None
+    n = sum(layout)
+    return Node(max(layout), node.cores * max(layout) / n), Node(len(layout), node.cores)
+
+
+def step_times(layout: Sequence[int], nbytes: float, local: AlphaBeta, net: AlphaBeta, *,
+               node_up: Node | None = None, node_cross: Node | None = None) -> tuple[float, float, str]:
+    """(inside the hosts, between the leaders, the leaders' algorithm) of the two-level allreduce."""
+    hosts, per_host = len(layout), max(layout)
+    inside = predict("star", per_host, nbytes, local, node=node_up) if per_host > 1 else 0.0
+    if hosts == 1:
+        return inside, 0.0, "ring"
+    cross = best(hosts, nbytes, net, CROSS, node=node_cross)
+    return inside, predict(cross, hosts, nbytes, net, node=node_cross), cross
+
+
+def two_level_time(layout: Sequence[int], nbytes: float, local: AlphaBeta, net: AlphaBeta, *,
+                   node_up: Node | None = None, node_cross: Node | None = None) -> float:
+    """Predicted seconds of one two-level allreduce of ``nbytes`` over ``layout`` (see the module doc)."""
+    inside, cross, _ = step_times(layout, nbytes, local, net, node_up=node_up, node_cross=node_cross)
+    return inside + cross
+
+
+def pick(layout: Sequence[int], nbytes: float, local: AlphaBeta, net: AlphaBeta, *, node: Node | None = None,
+         node_up: Node | None = None, node_cross: Node | None = None) -> str:
+    """The fastest of the flat algorithms (under ``net``, on ``node``) and ``"two_level"`` for ``layout``."""
+    n = sum(layout)
+    flat = best(n, nbytes, net, ALGORITHMS, node=node)
+    if not eligible(layout):
+        return flat
+    t2 = two_level_time(layout, nbytes, local, net, node_up=node_up, node_cross=node_cross)
+    return "two_level" if t2 < predict(flat, n, nbytes, net, node=node) else flat
+
+
+def crossovers(choose: Callable[[int], str], lo: int, hi: int) -> list[tuple[int, str, str]]:
+    """``(nbytes, before, after)`` wherever ``choose(nbytes)`` changes in ``[lo, hi]`` (multiples of 4 bytes)."""
+    steps = 64 * max(1, int(math.log2(hi / lo)))
+    grid = sorted({int(round(lo * (hi / lo) ** (i / steps))) // 4 * 4 for i in range(steps + 1)})
+    out: list[tuple[int, str, str]] = []
+    prev = choose(grid[0])
+    for a, b in zip(grid, grid[1:], strict=False):
+        cur = choose(b)
+        if cur == prev:
+            continue
+        left, right = a, b  # choose(left) == prev, choose(right) != prev
+        while right - left > 4:
+            mid = (left + right) // 8 * 4
+            left, right = (mid, right) if choose(mid) == prev else (left, mid)
+        out.append((right, prev, choose(right)))
+        prev = cur
+    return out
+
+
+def flat_time(algorithm: str, layout: Sequence[int], nbytes: float, local: AlphaBeta, net: AlphaBeta, *,
+              shared_nic: bool = False) -> float:
+    """Predicted seconds of a flat ``ring`` or ``recursive_doubling`` on ``layout`` (equal hosts, see the module doc).
+
+    Every rank has a core of its own; links inside a host follow ``local``,
+    between hosts ``net``; the reductions cost ``net``'s ``gamma``. With
+    ``shared_nic`` a host's ranks share one network port: recursive
+    doubling's rounds between hosts, where all ``L`` of them send at once,
+    take ``L`` times the link bytes (the ring sends across one rank per host
+    at a time, the two-level allreduce only from the leader: neither
+    changes). The simulation gives each rank its own port (``shared_nic=False``).
+    """
+    hosts, per_host = len(layout), max(layout)
+    n = hosts * per_host
+    if any(h != per_host for h in layout):
+        raise UsageError(f"flat_time needs hosts of equal size, got {list(layout)}")
+    if hosts == 1 or per_host == 1:
+        return predict(algorithm, n, nbytes, local if hosts == 1 else net)
+    if algorithm == "recursive_doubling":
+        port = per_host if shared_nic else 1
+        crossing = predict(algorithm, hosts, nbytes, net)
+        return predict(algorithm, per_host, nbytes, local) + crossing + (port - 1) * nbytes * net.beta_s_per_byte * \
+            math.log2(hosts)
+    if algorithm != "ring":
+        raise UsageError(f"flat_time covers ring and recursive_doubling, not {algorithm!r}")
+    m, steps = nbytes / n, 2 * (n - 1)
+
+    def hop(model: AlphaBeta) -> float:
+        return model.alpha_s + (model.beta_s_per_byte + 2 * model.delta_s_per_byte) * m
+
+    reduce = (n - 1) * m * net.gamma_s_per_byte
+    chain = steps / n * (hosts * hop(net) + (n - hosts) * hop(local))
+    return reduce + max(chain, steps * net.beta_s_per_byte * m)

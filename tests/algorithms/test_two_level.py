@@ -1,0 +1,113 @@
+"""The two-level allreduce over the inproc transport: host layouts, ops, errors in every step, the error path."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import numpy as np
+import pytest
+
+from gradcoll.algorithms import ALLREDUCE
+from gradcoll.algorithms.two_level import host_layout, two_level_allreduce
+from gradcoll.errors import CollectiveMismatch, CollectiveTimeout, NonFiniteError, UsageError
+from gradcoll.testing import gather_ranks
+from gradcoll.transport.inproc import create_world
+
+LAYOUTS = {
+    "2x2": ["a", "a", "b", "b"],
+    "interleaved": ["a", "b", "a", "b"],
+    "uneven": ["a", "a", "a", "b", "c", "c"],
+    "one host": ["a"] * 3,
+    "one per host": ["a", "b", "c", "d", "e"],
+    "3x3": [h for h in "abc" for _ in range(3)],
+}
+
+
+def run(hosts: list[str], fn: Any, timeout: float = 10.0) -> tuple[list[Any], list[BaseException | None]]:
+    ts = create_world(len(hosts), timeout=timeout)
+    return gather_ranks(lambda r: fn(r, ts[r]), len(hosts))
+
+
+def test_host_layout_groups_ranks_by_host_in_rank_order() -> None:
+    assert host_layout(["b", "a", "b", "c", "a"]) == [[0, 2], [1, 4], [3]]
+
+
+@pytest.mark.parametrize("layout", sorted(LAYOUTS))
+@pytest.mark.parametrize("op", ["mean", "sum", "max", "min"])
+@pytest.mark.parametrize("cross", ["ring", "recursive_doubling"])
+def test_matches_the_reference_on_every_layout(layout: str, op: str, cross: str) -> None:
+    hosts = LAYOUTS[layout]
+    n = len(hosts)
+    rng = np.random.default_rng(n)
+    data = [rng.integers(-50, 50, 1037).astype(np.float64) for _ in range(n)]  # integers: every order is exact
+    bufs = [d.copy() for d in data]
+    stack = np.stack(data)
+    want = {"mean": stack.sum(0) / n, "sum": stack.sum(0), "max": stack.max(0), "min": stack.min(0)}[op]
+    _, errors = run(hosts, lambda r, t: two_level_allreduce(t, bufs[r], hosts=hosts, op=op, cross=cross,
+                                                              segment_bytes=512, seq=3))
+    assert errors == [None] * n
+    for b in bufs:
+        np.testing.assert_allclose(b, want, rtol=1e-15)
+        assert b.tobytes() == bufs[0].tobytes()  # bitwise the same on every rank
+
+
+def test_registered_and_float32_and_empty() -> None:
+    hosts = LAYOUTS["2x2"]
+    bufs = [np.full(10, r + 1, np.float32) for r in range(4)]
+    empty = [np.zeros(0, np.float32) for _ in range(4)]
+    _, errors = run(hosts, lambda r, t: (ALLREDUCE["two_level"](t, bufs[r], hosts=hosts),
+                                         ALLREDUCE["two_level"](t, empty[r], hosts=hosts, seq=1)))
+    assert errors == [None] * 4
+    assert all((b == 2.5).all() for b in bufs)
+
+
+def test_bad_input_halts_every_rank_naming_the_contributor() -> None:
+    hosts = LAYOUTS["uneven"]
+    bufs = [np.ones(500, np.float32) for _ in hosts]
+    bufs[4][123] = np.inf  # a non-leader of host c
+    _, errors = run(hosts, lambda r, t: two_level_allreduce(t, bufs[r], hosts=hosts, seq=2))
+    assert all(isinstance(e, NonFiniteError) for e in errors), errors
+    assert {e.contributor for e in errors} == {4} and "element 123" in str(errors[0])  # type: ignore[union-attr]
+
+
+def test_overflow_between_leaders_halts_every_rank() -> None:
+    hosts = LAYOUTS["2x2"]
+    big = np.finfo(np.float32).max
+    bufs = [np.full(300, big if r < 2 else big / 2, np.float32) for r in range(4)]
+    _, errors = run(hosts, lambda r, t: two_level_allreduce(t, bufs[r], hosts=hosts, op="sum", seq=2))
+    assert all(isinstance(e, NonFiniteError) and "overflowed" in str(e) for e in errors), errors
+
+
+def test_a_rank_calling_something_else_is_a_mismatch_on_every_rank() -> None:
+    hosts = LAYOUTS["2x2"]
+
+    def rank(r: int, t: Any) -> Any:
+        if r == 3:
+            return ALLREDUCE["ring"](t, np.ones(64, np.float32), seq=5, timeout=5.0)
+        return two_level_allreduce(t, np.ones(64, np.float32), hosts=hosts, seq=5, timeout=5.0)
+
+    _, errors = run(hosts, rank)
+    assert all(isinstance(e, CollectiveMismatch) for e in errors), errors
+
+
+@pytest.mark.parametrize("absent", [1, 2])  # a member (its leader waits in step 1), a leader (step 2)
+def test_a_rank_that_never_arrives_is_named_on_every_other(absent: int) -> None:
+    hosts = LAYOUTS["2x2"]
+
+    def rank(r: int, t: Any) -> Any:
+        if r == absent:
+            return None
+        return two_level_allreduce(t, np.ones(64, np.float32), hosts=hosts, seq=1, timeout=0.5)
+
+    _, errors = run(hosts, rank)
+    for r, e in enumerate(errors):
+        if r != absent:
+            assert isinstance(e, CollectiveTimeout) and absent in e.missing, (r, e)
+
+
+def test_bad_arguments() -> None:
+    t = create_world(2)[0]
+    with pytest.raises(UsageError, match="hosts names 3 ranks"):
+        two_level_allreduce(t, np.ones(4, np.float32), hosts=["a", "a", "b"])
+    with pytest.raises(UsageError, match="cross must be"):
+        two_level_allreduce(t, np.ones(4, np.float32), hosts=["a", "b"], cross="star")
