@@ -78,7 +78,8 @@ def group_window(t: Transport, timeout: float | None, what: str, seq: int = 0, n
     except CollectiveTimeout as exc:
         coll = Coll(t, what, seq, nbytes, timeout)
         who = exc.missing or [-1]
-        raise coll.timeout_error(who, f"rank(s) {', '.join(map(str, who))} did not arrive") from exc
+        names = ", ".join(map(str, who))
+        raise coll.timeout_error(who, f"rank(s) {names} stalled in {what}'s window set-up: they never arrived") from exc
     if win is None:
         raise UsageError(f"rank {t.rank}: {what} needs ranks that share memory (the shm or inproc transport, or mpi "
                          f"on one node); the {t.name} transport does not")

@@ -281,8 +281,7 @@ class Transport(abc.ABC):
     timeout: float
     #: True once ``close()`` was called on this transport.
     closed: bool
-    #: True when every rank shares this host's memory: ``window`` then maps a ``Window``.
-    shared_memory: bool = False
+    shared_memory: bool = False  # every rank shares this host's memory: ``window`` then maps a ``Window``
     #: The longest frame (bytes) a lenient receive takes in whole when another frame than its own arrives
     #: (or what the receive itself expects, if more); a longer one is refused unread with a ProtocolError
     #: naming the peer. The collectives raise it to the size of the call they run.

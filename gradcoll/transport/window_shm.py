@@ -29,14 +29,16 @@ import ctypes
 import fcntl
 import mmap
 import os
+import re
 import secrets
 import socket
+import stat
 import struct
 import weakref
 from typing import Any
 
 from .._util import Deadline
-from ..errors import CollectiveTimeout, GradcollError, UsageError
+from ..errors import CollectiveTimeout, GradcollError, ProtocolError, UsageError
 from .base import Transport
 from .shm_segment import PREFIX, _allocate, default_dir
 from .window import LAYOUT, WINDOW_TAG, MappedWindow, init_header, plan
@@ -44,6 +46,9 @@ from .window import LAYOUT, WINDOW_TAG, MappedWindow, init_header, plan
 __all__ = ["create"]
 
 _MSG = 256
+_WINDOW_NAME = re.compile(re.escape(PREFIX) + r"\d+-[0-9a-f]{12}-w")
+#: Seconds an attaching rank waits for rank 0's verdict past the set-up's deadline (see ``_attach``).
+GO_GRACE_S = 0.5
 _POPULATE = getattr(mmap, "MAP_POPULATE", 0)
 
 
@@ -166,18 +171,28 @@ def _attach(t: Transport, nbytes: int, total: int, directory: str, deadline: Dea
         if host != socket.gethostname() or int(size) != total:
             raise UsageError(f"window {name} is on {host} with {size} bytes; this rank is on "
                              f"{socket.gethostname()} and expects {total}")
-        fd = os.open(os.path.join(directory, name), os.O_RDWR)
-        if os.fstat(fd).st_size != total:
-            raise UsageError(f"window {name} has {os.fstat(fd).st_size} bytes, not {total}")
+        if not _WINDOW_NAME.fullmatch(name):
+            raise ProtocolError(f"rank {me}: refused window name {name!r} from rank 0 (not {PREFIX}<pid>-<token>-w)",
+                                rank=me, peer=0)
+        fd = os.open(os.path.join(directory, name), os.O_RDWR | os.O_NOFOLLOW | os.O_CLOEXEC)
+        st = os.fstat(fd)
+        if not stat.S_ISREG(st.st_mode) or st.st_uid != os.getuid() or stat.S_IMODE(st.st_mode) != 0o600:
+            raise ProtocolError(f"rank {me}: refused window {name}: not a regular file of uid {os.getuid()} with "
+                                f"mode 600", rank=me, peer=0)
+        if st.st_size != total:
+            raise UsageError(f"window {name} has {st.st_size} bytes, not {total}")
         fcntl.lockf(fd, fcntl.LOCK_EX | fcntl.LOCK_NB, 1, me)
         mm = _map(fd, total)
         _set_pid(mm, me, t.size, nbytes)
         answer = _message("OK", "")
-    except (OSError, UsageError) as exc:
+    except (OSError, UsageError, ProtocolError) as exc:
         answer = _message("ER", str(exc))
     try:
         t.send(0, answer, WINDOW_TAG, deadline.remaining())
-        go = _parse(_recv(t, 0, deadline))
+        # Rank 0 is alive (it sent the name): its answer names whoever did not arrive, once its own wait ends,
+        # at this same deadline; GO_GRACE_S past it lets that answer, not this rank's guess, be the error.
+        rest = deadline.remaining()
+        go = _parse(_recv(t, 0, Deadline(None if rest is None else rest + GO_GRACE_S)))
         if answer[:2] != b"OK":
             raise GradcollError(f"rank {me}: the window could not be set up: {_parse(answer)[1]}")
         if go[0] != "GO":
