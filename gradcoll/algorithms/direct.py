@@ -71,6 +71,14 @@ def direct_allreduce(transport: Transport, buf: np.ndarray, *, op: str = "mean",
     by size). ``backend``: a kernel backend other than ``cython`` runs the
     Python steps with that backend's kernels.
     """
+    if isinstance(buf, np.ndarray) and buf.dtype == np.float16:
+        # The window's 16-bit variants carry wire values, not float16 data: float16 runs widened to float32
+        # (max and min exactly; sums and means rounded once, as the fp16 wire path does).
+        wide = as_flat(buf, reduce=True).astype(np.float32)
+        direct_allreduce(transport, wide, op=op, check_finite=check_finite, seq=seq, timeout=timeout,
+                         workspace=workspace, backend=backend, mode=mode)
+        np.copyto(buf.reshape(-1), wide, casting="unsafe")
+        return buf
     if mode is None and backend in (None, "cython") and _hot(transport, buf, op, check_finite, seq, timeout, PLAIN):
         return buf
     flat = as_flat(buf, reduce=True)

@@ -67,6 +67,19 @@ def test_every_schedule_equals_the_star_bitwise(mode: str | None, n: int) -> Non
         assert all(b.tobytes() == want for b in bufs), (n, count, mode)
 
 
+@pytest.mark.parametrize("op", ["max", "min", "sum", "mean"])
+def test_float16_buffers_are_reduced_as_float16_values(op: str) -> None:
+    """float16 data is widened to float32 on the window (its 16-bit variants carry wire values)."""
+    n = 3
+    data = [np.array([r + 1.0, -2.0 * r, 0.25, 1000.0 * r], np.float16) for r in range(n)]
+    rows = np.stack([d.astype(np.float64) for d in data])
+    want = {"max": rows.max(0), "min": rows.min(0), "sum": rows.sum(0), "mean": rows.mean(0)}[op].astype(np.float16)
+    bufs = [d.copy() for d in data]
+    each_rank(n, lambda r, t: [direct_allreduce(t, refill(bufs[r], data[r]), op=op, seq=s) for s in (1, 2)])
+    for b in bufs:
+        assert b.dtype == np.float16 and b.tobytes() == want.tobytes(), (op, b, want)
+
+
 @pytest.mark.parametrize("op", OPS)
 @pytest.mark.parametrize("dtype", [np.float32, np.float64])
 def test_every_op_and_dtype_through_the_python_steps_and_the_compiled_ones(op: str, dtype: Any) -> None:
