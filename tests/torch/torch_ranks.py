@@ -31,6 +31,17 @@ def _init(**kw: Any) -> tuple[int, int]:
     return dist.get_rank(), dist.get_world_size()
 
 
+def _reinit(k: int) -> None:
+    """The k-th new default group of this process, on a store of its own (``MASTER_PORT + k``).
+
+    With ``env://`` a new group reuses ``MASTER_PORT``: a rank that destroyed its group first may
+    reach rank 0's old store, still serving while rank 0 closes its group, and lose it a moment later.
+    """
+    rank, n = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
+    where = f"tcp://{os.environ['MASTER_ADDR']}:{int(os.environ['MASTER_PORT']) + k}"
+    _init(init_method=where, rank=rank, world_size=n)
+
+
 def _error(fn: Any) -> dict[str, Any]:
     try:
         fn()
@@ -159,7 +170,7 @@ def nonfinite(culprit: str) -> None:
     t = torch.tensor([1.0, float("nan") if bad else 2.0, 3.0])
     RESULTS["all_reduce"] = _error(lambda: dist.all_reduce(t))
     dist.destroy_process_group()  # a failed collective poisons the group: a new one for each case
-    _init()
+    _reinit(1)
     own = gradcoll.init_process_group("tcp", timeout=30)
     for case in ("ddp", "hook"):
         model = _net()
@@ -176,7 +187,7 @@ def nonfinite(culprit: str) -> None:
         RESULTS[case] = _error(step)
         if case == "ddp":
             dist.destroy_process_group()
-            _init()
+            _reinit(2)
     own.close()
 
 
