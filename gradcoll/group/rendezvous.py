@@ -307,7 +307,8 @@ def join(store: Store, rank: int, size: int, source: str, timeout: float) -> Non
     next_log = time.monotonic() + PROGRESS_S
     while True:
         if store.check(["join/error"]):
-            raise UsageError(f"rank {rank}: {store.get('join/error', 1.0).decode(errors='replace')}")
+            why = store.get("join/error", max(1.0, deadline.remaining() or 1.0)).decode(errors="replace")
+            raise UsageError(f"rank {rank}: {why}")
         now = time.monotonic()
         full_scan = now >= next_log or deadline.expired()
         for r in range(size):
@@ -317,7 +318,8 @@ def join(store: Store, rank: int, size: int, source: str, timeout: float) -> Non
                 if full_scan:
                     continue
                 break
-            their_size, their_source = _parse_join(store.get(f"join/{r}", 1.0), r)
+            # The key is there: the wait is only for the store's answer, which a loaded rank 0 may be slow to give.
+            their_size, their_source = _parse_join(store.get(f"join/{r}", max(1.0, deadline.remaining() or 1.0)), r)
             if their_size != size:
                 msg = (f"world size mismatch: rank {rank} was given {size} ({source}), rank {r} was given "
                        f"{their_size} ({their_source}); every rank must be started with the same world size")
