@@ -34,7 +34,7 @@ from ._common import Coll
 from ._handshake import RECORD_SIZE, Record, absent, pack, unpack, with_status
 from ._verdict import ALARMS, BROKEN, LINK_ERRORS, MALFORMED, OK, PROTOCOL, TIMEOUT, is_root, status_of, verdict
 
-__all__ = ["fail", "experience", "GRACE_END", "GRACE_ROOT", "GRACE_MIN", "GRACE_MAX", "CONFIRM_S"]
+__all__ = ["fail", "experience", "own_record", "GRACE_END", "GRACE_ROOT", "GRACE_MIN", "GRACE_MAX", "CONFIRM_S"]
 
 #: Seconds past the collective's own deadline a rank waits for records still missing (a stall costs this).
 GRACE_END = 0.4
@@ -72,7 +72,7 @@ def fail(coll: Coll, exc: BaseException | None, bad: tuple[int, float] | None = 
     t = coll.t
     if exc is not None and (coll.pending is None or t.closed):
         raise exc  # no lenient tags (data errors are reported as they are), or nothing left to talk over
-    own = with_status(coll.desc, coll.status) if exc is None else with_status(coll.desc, *experience(exc))
+    own = own_record(coll, exc)
     _witness.failing(t)
     ex = _Exchange(coll, own)
     if isinstance(exc, FrameMismatch) and exc.tag == tags.ALARM:
@@ -81,6 +81,22 @@ def fail(coll: Coll, exc: BaseException | None, bad: tuple[int, float] | None = 
         ex.run()
     verdict(coll, ex.table(), ALARMS, own=exc, marker=bad)
     raise AssertionError("the verdict of a failed collective always raises")  # pragma: no cover
+
+
+def own_record(coll: Coll, exc: BaseException | None) -> Record:
+    """The record this rank sends after ``exc`` (None: a non-finite result).
+
+    A rank whose own input was non-finite (``coll.status``) reports that,
+    also when a peer's alarm woke it before the marked result came: that
+    wake-up says nothing about its links, and its input is the root cause
+    every rank must name.
+    """
+    if exc is None:
+        return with_status(coll.desc, coll.status)
+    status, peer = experience(exc)
+    if coll.status is not None and status[0] == OK:
+        return with_status(coll.desc, coll.status)
+    return with_status(coll.desc, status, peer)
 
 
 class _Exchange:

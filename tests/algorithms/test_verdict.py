@@ -240,3 +240,28 @@ def test_overflowed_chunks_name_no_contributor() -> None:
 def test_unknown_status_bytes_from_a_peer_are_ignored() -> None:
     """A hostile status byte matches no row (the record still counts as present and agreeing)."""
     assert decide([{"slot": (1, BASE._replace(status=200, peer=77))}]) is None
+
+
+def test_a_rank_with_a_bad_input_woken_by_an_alarm_still_reports_its_input() -> None:
+    """Rank 2's NaN reaches rank 1's result first; rank 1's alarm wakes rank 2 before its own result came.
+
+    Rank 2's record must still say NONFINITE at its element, so every rank
+    names rank 2 (not "the sum overflowed"); a real link error keeps its own status.
+    """
+    from gradcoll.algorithms import tags
+    from gradcoll.algorithms._alarm import own_record
+
+    c = coll(2)
+    c.desc = BASE[:8]
+    c.status = (V.NONFINITE, 7, float("nan"))
+    woken = FrameMismatch("alarm", peer=1, tag=tags.ALARM, payload=b"")
+    rec = own_record(c, woken)
+    assert (rec.status, rec.index) == (V.NONFINITE, 7) and np.isnan(rec.value)
+    table = [BASE, BASE, rec, BASE]
+    with pytest.raises(NonFiniteError, match="rank 2 contributed nan at element 7") as info:
+        V.verdict(coll(0), table, V.ALARMS, marker=(0, float("nan")))
+    assert info.value.contributor == 2
+    broken = own_record(c, TransportBroken("x", rank=2, peer=0))
+    assert (broken.status, broken.peer) == (V.BROKEN, 0)
+    c.status = None
+    assert own_record(c, woken).status == V.OK
