@@ -68,7 +68,7 @@ def _arm_self_kill(transport: Any, after: int, conn: Any, sig: int = signal.SIGK
 
         def between_pieces(seconds: float) -> None:
             conn.send(("killed", transport.rank, time.monotonic()))
-            os.kill(os.getpid(), signal.SIGKILL)
+            os.kill(os.getpid(), sig)
             note(seconds)
 
         transport.note_wait = between_pieces

@@ -34,13 +34,13 @@ BIG_TIMEOUT = 5.0
 
 if FULL:  # every rank in turn, killed and stalled, for every transport, algorithm and buffer size
     CASES = [(t, a, f, v, b) for t, a, f, b in itertools.product(TRANSPORTS, ALGORITHMS, FAULTS, BUFFERS)
-             for v in range(4) if (t == "shm" or a not in SHARED) and not (a in SHARED and f == "stop-mid")]
-    # stop-mid stops the victim at its n-th transport call; the window path makes none inside the call
-else:  # every transport, algorithm, fault and buffer at least once, in 8 scenarios
+             for v in range(4) if t == "shm" or a not in SHARED]
+else:  # every transport, algorithm, fault and buffer at least once, in 9 scenarios
     CASES = [("tcp", "ring", "kill-mid", 2, "mixed"), ("shm", "star", "kill", 0, "4KiB"),
              ("shm", "recursive_doubling", "kill-mid", 3, "mixed"), ("tcp", "star", "stall", 1, "mixed"),
              ("tcp", "auto", "stop-mid", 3, "4KiB"), ("shm", "auto", "kill-mid", 1, "64MiB"),
-             ("shm", "direct", "kill-mid", 1, "mixed"), ("shm", "direct", "stall", 3, "4KiB")]
+             ("shm", "direct", "kill-mid", 1, "mixed"), ("shm", "direct", "stall", 3, "4KiB"),
+             ("shm", "direct", "stop-mid", 2, "64MiB")]
 
 pytestmark = pytest.mark.timeout(60 + 20 * REPEATS)
 
