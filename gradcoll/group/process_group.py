@@ -316,9 +316,8 @@ class ProcessGroup(Topology):
 
     def _pick(self, algorithm: str, nbytes: int, flat: bool = False) -> str:
         if algorithm == "auto":
-            layout = None if flat or self.hosts is None else tuple(len(m) for m in self.host_layout())
             return select_allreduce(nbytes, self.size, self.transport.name, self.transport.shared_memory,
-                                    layout=layout)
+                                    layout=None if flat else self.host_counts)
         if algorithm not in ALLREDUCE:
             raise UsageError(f"unknown allreduce algorithm {algorithm!r}; known: auto, {', '.join(ALLREDUCE)}")
         return algorithm

@@ -34,6 +34,7 @@ architecture), every rank stays on tcp and a warning says so.
 
 from __future__ import annotations
 
+import functools
 import importlib
 import logging
 import os
@@ -167,6 +168,11 @@ class Topology:
         """The ranks of each host, in rank order, hosts in the order of their lowest rank ([] when unknown)."""
         return [] if self.hosts is None else host_layout(self.hosts)
 
+    @functools.cached_property
+    def host_counts(self) -> tuple[int, ...] | None:
+        """Ranks per host, in the order of ``host_layout`` (None when unknown); what ``algorithm="auto"`` reads."""
+        return None if self.hosts is None else tuple(len(m) for m in host_layout(self.hosts))
+
     # -- subgroups -----------------------------------------------------------
     def split(self: G, ranks: Sequence[int], *, backend: str | None = None,
               timeout: float | None = None) -> G | NonMember:
@@ -269,6 +275,7 @@ class Topology:
         mine[: len(name)] = np.frombuffer(name, np.uint8)
         rows = cast(Any, self).allgather(mine)
         self.hosts = tuple(bytes(row).rstrip(b"\0").decode(errors="replace") for row in rows)
+        self.__dict__.pop("host_counts", None)  # computed (None) before the hosts were known
         rec = getattr(getattr(self, "_diag", None), "rec", None)
         if rec is not None:
             rec.hosts = self.hosts
