@@ -196,11 +196,15 @@ def _attach(t: Transport, nbytes: int, total: int, directory: str, deadline: Dea
     kind, text = _parse(_recv(t, 0, deadline))
     if kind != "OK":
         raise GradcollError(f"rank {me}: {text}")
-    host, name, size = text.split()
     fd = -1
     mm: Any = None
     refused: ProtocolError | None = None
     try:
+        parts = text.split()
+        if len(parts) != 3 or not parts[2].isdigit():
+            raise ProtocolError(f"rank {me}: rank 0 announced the window as {text[:80]!r}, not 'host name bytes'",
+                                rank=me, peer=0)
+        host, name, size = parts
         if host != socket.gethostname() or int(size) != total:
             raise UsageError(f"window {name} is on {host} with {size} bytes; this rank is on "
                              f"{socket.gethostname()} and expects {total}")

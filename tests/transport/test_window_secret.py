@@ -137,3 +137,24 @@ def test_without_a_secret_nothing_is_proved_and_windows_work(tmp_path: Path) -> 
         assert page == bytes(64)
     finally:
         _close(ts)
+
+
+def test_a_malformed_announcement_is_a_protocol_error_on_both_sides(tmp_path: Path) -> None:
+    ts = _group(2, tmp_path, secret=None)
+    answer: list[tuple[str, str]] = []
+
+    def rank(r: int) -> Any:
+        if r == 1:
+            return ts[1].window(SLOT, 5.0)
+        ts[0].send(1, window_shm._message("OK", "only-two words"), WINDOW_TAG, 5.0)
+        answer.append(window_shm._parse(window_shm._recv(ts[0], 1, window_shm.Deadline(5.0))))
+        ts[0].send(1, window_shm._message("ER", "set-up abandoned"), WINDOW_TAG, 5.0)
+        return None
+
+    try:
+        _, errors = gather_ranks(rank, 2, join_timeout=30)
+        assert errors[0] is None and isinstance(errors[1], ProtocolError), errors
+        assert "rank 0 announced the window as 'only-two words', not 'host name bytes'" in str(errors[1])
+        assert answer[0][0] == "PR"
+    finally:
+        _close(ts)
