@@ -144,8 +144,10 @@ def claim(base: Store, rank: int, generation: int, deadline: Deadline) -> str | 
     if generation <= 1:
         return None
     key = f"claims/{rank}/{generation - 1}"
+    left = deadline.remaining()
+    left = CLAIM_WAIT_S if left is None else left
     try:  # a key that is there waits only for the store's answer; a missing one at most CLAIM_WAIT_S
-        wait = deadline.remaining() if base.check([key]) else min(CLAIM_WAIT_S, deadline.remaining() or CLAIM_WAIT_S)
+        wait = max(1.0, left) if base.check([key]) else max(0.001, min(CLAIM_WAIT_S, left))
         prev = Claim.decode(base.get(key, wait), key)
     except CollectiveTimeout:
         return None

@@ -352,10 +352,12 @@ def join(store: Store, rank: int, size: int, source: str, timeout: float, note: 
                 f"GRADCOLL_STARTUP_TIMEOUT waits longer.{extra}",
                 rank=rank, missing=missing, op="startup",
             )
-        if full_scan and missing:
-            log.warning("rank %d: waiting for rank(s) %s to join (%d of %d here: %s) after %ss; giving up after %ss%s",
-                        rank, _ranks(missing), len(arrived), size, _ranks(sorted(arrived)),
-                        seconds(timeout - (deadline.remaining() or 0.0)), seconds(timeout), f";{extra}" if note else "")
+        if full_scan:
+            if missing:
+                log.warning("rank %d: waiting for rank(s) %s to join (%d of %d here: %s) after %ss; giving up after "
+                            "%ss%s", rank, _ranks(missing), len(arrived), size, _ranks(sorted(arrived)),
+                            seconds(timeout - (deadline.remaining() or 0.0)), seconds(timeout),
+                            f";{extra}" if note else "")
             next_log = now + PROGRESS_S
         wait = min(1.0, deadline.remaining() or 0.0, max(0.0, next_log - time.monotonic()))
         try:  # wakes when the first missing rank arrives (or the seal); at least once a second for join/error
