@@ -158,3 +158,17 @@ def test_a_malformed_announcement_is_a_protocol_error_on_both_sides(tmp_path: Pa
         assert answer[0][0] == "PR"
     finally:
         _close(ts)
+
+
+def test_the_direct_allreduce_of_a_group_with_a_secret_runs_on_a_proven_window(tmp_path: Path) -> None:
+    from gradcoll.algorithms.direct import direct_allreduce
+
+    ts = _group(3, tmp_path)
+    data = [np.arange(1000, dtype=np.float32) * (r + 1) for r in range(3)]
+    try:
+        out, errors = gather_ranks(lambda r: direct_allreduce(ts[r], data[r].copy(), op="sum", seq=1), 3)
+        assert errors == [None, None, None]
+        for o in out:
+            np.testing.assert_array_equal(o, np.arange(1000, dtype=np.float32) * 6)
+    finally:
+        _close(ts)
