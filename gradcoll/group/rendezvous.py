@@ -32,8 +32,9 @@ from urllib.parse import urlsplit
 
 from .. import _auth
 from .._util import Deadline
-from ..errors import BackendUnavailable, CollectiveTimeout, ProtocolError, UsageError, seconds
+from ..errors import BackendUnavailable, CollectiveTimeout, UsageError, seconds
 from ..store import FileStore, PrefixStore, Store, TCPStore
+from ._claims import claim, parse_join, seal
 from .connect import connect, load_backend
 from .process_group import ProcessGroup
 
@@ -168,7 +169,12 @@ def init_process_group(
     missing rank/size, a world-size disagreement, a bad init_method or a
     store address already in use, ProtocolError when the address reached is
     not a gradcoll store, CollectiveTimeout if the others do not show up
-    within ``startup_timeout`` seconds.
+    within ``startup_timeout`` seconds. A second live process started as
+    the same rank against the same store raises UsageError naming both
+    processes, at once, and so does every rank of the first one's group if
+    its startup had not finished (``gradcoll.group._claims``); a second
+    init from the same process, or a restart after the first process died,
+    is no error.
 
     ``secret`` (bytes or str; default ``GRADCOLL_SECRET``; none if unset):
     every connection of the group proves both ends know it: the TCPStore's
@@ -195,8 +201,9 @@ def init_process_group(
         base = PrefixStore("gradcoll", store)
         # The k-th init on a rank meets the k-th on every other: each gets a namespace of its own.
         generation = base.add(f"calls/{rank}", 1)
+        note = claim(base, rank, generation, Deadline(boot))
         ns = PrefixStore(f"gradcoll/{generation}", store)
-        join(ns, rank, world_size, source, boot)
+        join(ns, rank, world_size, source, boot, note)
         return connect(ns, backend, rank, world_size, timeout=boot, group_timeout=timeout,
                        kernel_backend=kernel_backend, transport_options=transport_options,
                        group_options={"stall_warning_s": stall_warning_s, "trace": trace})
@@ -293,15 +300,20 @@ def _open_store(where: InitMethod, rank: int, timeout: float, key: bytes | None 
         ) from exc
 
 
-def join(store: Store, rank: int, size: int, source: str, timeout: float) -> None:
+def join(store: Store, rank: int, size: int, source: str, timeout: float, note: str | None = None) -> None:
     """Startup barrier: publish this rank's world size, wait for every rank, check that all agree.
 
     A disagreement raises UsageError on this rank and is left in the store
     (``join/error``) so that every other waiting rank raises it too, within
     about a second. Every ``PROGRESS_S`` seconds a waiting rank logs who
-    has joined and who has not.
+    has joined and who has not (and ``note``, if any, in that log and in
+    the timeout). Every rank takes a seat (``join/seats``); the one that
+    takes the last seals the startup (``join/sealed``) unless a duplicate
+    of a rank vetoed it first (``gradcoll.group._claims``), and the others
+    return once they see the seal.
     """
     store.set(f"join/{rank}", f"{size}\n{source}".encode())
+    seat = store.add("join/seats", 1)
     deadline = Deadline(timeout)
     arrived: dict[int, str] = {rank: source}
     next_log = time.monotonic() + PROGRESS_S
@@ -319,7 +331,7 @@ def join(store: Store, rank: int, size: int, source: str, timeout: float) -> Non
                     continue
                 break
             # The key is there: the wait is only for the store's answer, which a loaded rank 0 may be slow to give.
-            their_size, their_source = _parse_join(store.get(f"join/{r}", max(1.0, deadline.remaining() or 1.0)), r)
+            their_size, their_source = parse_join(store.get(f"join/{r}", max(1.0, deadline.remaining() or 1.0)), r)
             if their_size != size:
                 msg = (f"world size mismatch: rank {rank} was given {size} ({source}), rank {r} was given "
                        f"{their_size} ({their_source}); every rank must be started with the same world size")
@@ -327,34 +339,31 @@ def join(store: Store, rank: int, size: int, source: str, timeout: float) -> Non
                 raise UsageError(f"rank {rank}: {msg}")
             arrived[r] = their_source
         missing = [r for r in range(size) if r not in arrived]
-        if not missing:
+        if not missing and seal(store, rank, size, seat, deadline):
             return
+        extra = f" {note}" if note else ""
         if deadline.expired():
+            what = (f"rank(s) {_ranks(missing)} never arrived" if missing else
+                    "every rank joined but the startup was never sealed (a rank died during startup?)")
             raise CollectiveTimeout(
                 f"rank {rank}: startup timed out after {seconds(timeout)}s: {len(arrived)} of {size} ranks joined "
-                f"({_ranks(sorted(arrived))}); rank(s) {_ranks(missing)} never arrived. Check that {size} ranks were "
+                f"({_ranks(sorted(arrived))}); {what}. Check that {size} ranks were "
                 f"started ({source}) and that each reaches the rendezvous address; startup_timeout= or "
-                "GRADCOLL_STARTUP_TIMEOUT waits longer",
+                f"GRADCOLL_STARTUP_TIMEOUT waits longer.{extra}",
                 rank=rank, missing=missing, op="startup",
             )
         if full_scan:
-            log.warning("rank %d: waiting for rank(s) %s to join (%d of %d here: %s) after %ss; giving up after %ss",
-                        rank, _ranks(missing), len(arrived), size, _ranks(sorted(arrived)),
-                        seconds(timeout - (deadline.remaining() or 0.0)), seconds(timeout))
+            if missing:
+                log.warning("rank %d: waiting for rank(s) %s to join (%d of %d here: %s) after %ss; giving up after "
+                            "%ss%s", rank, _ranks(missing), len(arrived), size, _ranks(sorted(arrived)),
+                            seconds(timeout - (deadline.remaining() or 0.0)), seconds(timeout),
+                            f";{extra}" if note else "")
             next_log = now + PROGRESS_S
         wait = min(1.0, deadline.remaining() or 0.0, max(0.0, next_log - time.monotonic()))
-        try:  # wakes when the first missing rank arrives; at least once a second for join/error
-            store.get(f"join/{missing[0]}", max(wait, 0.001))
+        try:  # wakes when the first missing rank arrives (or the seal); at least once a second for join/error
+            store.get(f"join/{missing[0]}" if missing else "join/sealed", max(wait, 0.001))
         except CollectiveTimeout:
             pass
-
-
-def _parse_join(raw: bytes, r: int) -> tuple[int, str]:
-    try:
-        size, source = raw.decode().split("\n", 1)
-        return int(size), source
-    except (UnicodeDecodeError, ValueError):
-        raise ProtocolError(f"rank {r} published a malformed startup record {raw[:40]!r}") from None
 
 
 def _ranks(rs: list[int]) -> str:

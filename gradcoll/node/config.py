@@ -18,6 +18,10 @@ collectives failed beyond two ranks):
   host of its own address (or the interface that routes to the store) on
   an ephemeral port and publishes it in the store; the port in the address
   of ranks 1.. is therefore not used (the tcp transport picks its own).
+* The group's shared secret (``NodeConfig.secret``, else ``GRADCOLL_SECRET``,
+  the same secret and variable as ``init_process_group`` and the sync
+  service) goes to the rendezvous store, whoever hosts it, and to the tcp
+  links: a node without it, or with another one, never takes a seat.
 """
 
 from __future__ import annotations
@@ -27,9 +31,10 @@ import os
 import socket
 import threading
 from collections.abc import Mapping, Sequence
-from dataclasses import dataclass, replace
+from dataclasses import dataclass, field, replace
 from typing import Any
 
+from .. import _auth
 from ..errors import UsageError
 from ..group.process_group import ProcessGroup
 from ..group.rendezvous import init_process_group
@@ -154,6 +159,8 @@ class NodeConfig:
     wire_topology: Topology = Topology.MESH
     device_directive: str = "auto"
     node_role: NodeRole = NodeRole()
+    #: The shared secret set by ``secret()`` (None: ``GRADCOLL_SECRET`` at ``connect``, if set); never printed.
+    shared_secret: bytes | None = field(default=None, repr=False)
 
     def __post_init__(self) -> None:
         for name in ("rank", "world"):
@@ -208,9 +215,18 @@ class NodeConfig:
         """Make this a fixed-function node implementing ``ff``."""
         return self.role(NodeRole.fixed_function(ff))
 
+    def secret(self, secret: bytes | str | None) -> "NodeConfig":
+        """The group's shared secret (bytes or str); None: ``GRADCOLL_SECRET`` when ``connect`` runs, if set.
+
+        Every node of the group needs the same one: the rendezvous store
+        and every tcp link prove it both ways (``init_process_group``'s
+        ``secret``), and a node without it is refused.
+        """
+        return replace(self, shared_secret=None if secret is None else _auth.resolve(secret))
+
     @classmethod
     def from_env(cls, env: Mapping[str, str] | None = None) -> "NodeConfig":
-        """Read RANK, WORLD, PEERS (comma-separated), TOPOLOGY and DEVICE."""
+        """Read RANK, WORLD, PEERS (comma-separated), TOPOLOGY, DEVICE and GRADCOLL_SECRET."""
         env = os.environ if env is None else env
         nums = {}
         for name in ("RANK", "WORLD"):
@@ -226,6 +242,8 @@ class NodeConfig:
             cfg = cfg.topology(env["TOPOLOGY"])
         if env.get("DEVICE", "").strip():
             cfg = cfg.device(env["DEVICE"].strip())
+        if env.get(_auth.ENV):
+            cfg = cfg.secret(env[_auth.ENV])
         return cfg
 
     # -- using it ----------------------------------------------------------
@@ -238,15 +256,20 @@ class NodeConfig:
         """Meet the other ranks and return the connected group (``timeout`` also bounds every wait).
 
         ``store`` replaces the rendezvous store (the caller owns it; for
-        threads in one process a HashStore will do).
+        threads in one process a HashStore will do). The secret (``secret()``,
+        else ``GRADCOLL_SECRET``) goes to the store this node opens or hosts
+        and to the group's links: a store or a peer that cannot prove it
+        raises ProtocolError; a store with a secret refuses this node if it
+        has none (GradcollError "requires the group's secret").
         """
         src = self.peer_source
         if src is None and store is None:
             raise UsageError("no peers configured: call .peers(addrs) or .discover(addr) first")
         host = "127.0.0.1" if src is None else src.listen_host(self.rank)
         owned: Store | None = None
+        key = _auth.resolve(self.shared_secret)
         if store is None and src is not None and src.kind == "discover" and src.external:
-            store = owned = TCPStore(*src.coordinator(), is_master=False, timeout=timeout)
+            store = owned = TCPStore(*src.coordinator(), is_master=False, timeout=timeout, secret=key)
         if store is not None and src is not None and src.kind == "discover":
             store = PrefixStore(f"gradcoll-node/{src.job}", store)
         init = ""
@@ -255,7 +278,7 @@ class NodeConfig:
             init = f"tcp://[{h}]:{p}" if ":" in h else f"tcp://{h}:{p}"
         try:
             pg = init_process_group("tcp", init or "env://", self.rank, self.world, timeout, store=store,
-                                    kernel_backend=kernel_backend, host=host)
+                                    kernel_backend=kernel_backend, secret=key, host=host)
         finally:
             if owned is not None:
                 owned.close()
@@ -263,19 +286,21 @@ class NodeConfig:
 
 
 def connect_local(world: int, *, topology: Topology | str = Topology.MESH, timeout: float = 30.0,
-                  kernel_backend: str | None = None) -> list[NodeGroup]:
+                  kernel_backend: str | None = None, secret: bytes | str | None = None) -> list[NodeGroup]:
     """Connect ``world`` ranks in this process (one thread each) over TCP on 127.0.0.1.
 
     For tests, demos and dev machines: a rendezvous TCPStore on an ephemeral
-    port stands in for the coordinator's address.
+    port stands in for the coordinator's address. ``secret`` as for
+    ``NodeConfig.secret`` (default ``GRADCOLL_SECRET``).
     """
-    master = TCPStore("127.0.0.1", 0, is_master=True, timeout=timeout)
+    key = _auth.resolve(secret)
+    master = TCPStore("127.0.0.1", 0, is_master=True, timeout=timeout, secret=key)
     addr = f"127.0.0.1:{master.port}"
     groups: list[NodeGroup | None] = [None] * world
     errors: list[BaseException] = []
 
     def join(rank: int) -> None:
-        cfg = NodeConfig(rank, world).discover(addr, host="127.0.0.1", external=True).topology(topology)
+        cfg = NodeConfig(rank, world).discover(addr, host="127.0.0.1", external=True).topology(topology).secret(key)
         try:
             groups[rank] = cfg.connect(timeout, kernel_backend=kernel_backend)
         except BaseException as exc:  # noqa: BLE001 - re-raised below

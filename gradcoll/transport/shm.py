@@ -73,6 +73,8 @@ class ShmTransport(FramedTransport):
     shared_memory = True
     #: Where the segments live (``create``'s ``shm_dir``); the windows go there too.
     shm_dir: str | None = None
+    #: The group's secret (``create``'s ``secret``), proved through every segment and window file.
+    secret: bytes | None = None
 
     def __init__(self, rank: int, size: int, links: dict[int, _RingLink], timeout: float = 300.0) -> None:
         super().__init__(rank, size, dict(links), timeout)
@@ -217,7 +219,7 @@ class ShmTransport(FramedTransport):
 
     def window(self, nbytes: int, timeout: float | None = None) -> Window:
         """Collective: a new window of ``nbytes`` a slot (``gradcoll.transport.window_shm``)."""
-        return self._keep_window(create_window(self, nbytes, timeout, self.shm_dir))
+        return self._keep_window(create_window(self, nbytes, timeout, self.shm_dir, self.secret))
 
     def close(self) -> None:
         """Flush queued sends, mark every link closed, unmap and unlink the segments."""
@@ -269,7 +271,8 @@ def create(
     ``/dev/shm``. Use a fresh [`PrefixStore`][gradcoll.store.PrefixStore] per
     group. ``timeout`` bounds the bootstrap and becomes the transport's
     default timeout. ``secret`` (default ``$GRADCOLL_SECRET``): both sides
-    of every segment prove they know it (the segment module's docstring).
+    of every segment, and every rank of every window, prove they know it
+    (the docstrings of ``shm_segment`` and ``window_shm``).
     """
     if size < 1 or not 0 <= rank < size:
         raise UsageError(f"rank {rank} out of range for world size {size}")
@@ -278,8 +281,9 @@ def create(
         raise BackendUnavailable(
             f"the shm transport relies on x86 store ordering and does not run on {machine!r}; use tcp"
         )
+    key = _auth.resolve(secret)
     segs = connect(store, rank, size, Deadline(timeout), ring_bytes=ring_bytes, directory=shm_dir or default_dir(),
-                   key_prefix=key_prefix, key=_auth.resolve(secret))
+                   key_prefix=key_prefix, key=key)
     transport = ShmTransport(rank, size, {peer: _RingLink(peer, seg) for peer, seg in segs.items()}, timeout)
-    transport.shm_dir = shm_dir
+    transport.shm_dir, transport.secret = shm_dir, key
     return transport

@@ -37,7 +37,8 @@ own layout. With the group's secret the creator writes an HMAC proof bound
 to the segment's name and both ranks into the control block before
 publishing it, and the attacher writes its own proof back, which the
 creator checks before it uses the segment: a segment planted by a stranger
-(or a peer without the secret) is refused with a ProtocolError.
+(or a peer without the secret) is refused with a ProtocolError
+(``gradcoll.transport._shm_proof``, shared with the windows).
 """
 
 from __future__ import annotations
@@ -54,10 +55,10 @@ import stat
 import tempfile
 import time
 
-from .. import _auth
 from .._util import Deadline
 from ..errors import ProtocolError, TransportBroken, UsageError
 from ..store import Store
+from . import _shm_proof
 
 __all__ = ["Segment", "connect", "clean_stale_segments", "default_dir", "PREFIX", "CTRL", "W_HEAD", "W_TAIL",
            "W_STATE"]
@@ -213,18 +214,12 @@ def _allocate(fd: int, nbytes: int, directory: str) -> None:
         pass
 
 
-def _proof(seg: Segment, key: bytes, role: bytes, lo: int, hi: int) -> bytes:
-    return _auth.proof(key, role, os.path.basename(seg.path), lo, hi)
-
-
 def _write_proof(seg: Segment, key: bytes, role: bytes, lo: int, hi: int, which: int) -> None:
-    at = PROOFS[which]
-    seg.view[at : at + 32] = _proof(seg, key, role, lo, hi)
+    _shm_proof.write(seg.view, PROOFS[which], key, role, os.path.basename(seg.path), lo, hi)
 
 
 def _check_proof(seg: Segment, key: bytes, role: bytes, lo: int, hi: int, which: int) -> bool:
-    at = PROOFS[which]
-    return _auth.same(bytes(seg.view[at : at + 32]), _proof(seg, key, role, lo, hi))
+    return _shm_proof.check(seg.view, PROOFS[which], key, role, os.path.basename(seg.path), lo, hi)
 
 
 def _name(raw: bytes, key: str, rank: int, peer: int) -> tuple[str, str]:

@@ -11,6 +11,16 @@ a rank is killed, and tells every peer to go. A rank killed before that
 leaves a name whose creator pid is dead, which the next group's start-up
 removes (``shm_segment.clean_stale_segments``).
 
+With the group's secret, rank 0 writes a proof bound to the window's name
+and the world size into the first page (``PROOF_AT``) before it sends the
+name, and each peer checks it right after mapping the file, before it
+writes anything into it (its pid, then any data): a file that a stranger
+running as this user put under that name is refused with a ProtocolError
+naming the rank that refused it, on that rank and on rank 0. Each peer then
+writes its own proof at ``PROOF_AT + 32 * rank``, which rank 0 checks before
+it says go (``gradcoll.transport._shm_proof``, shared with the pair
+segments).
+
 The locks are how a waiting rank notices a dead peer: the kernel releases a
 process's ``lockf`` locks when it dies (even as a zombie), and ``F_GETLK``
 on the peer's byte then finds the byte free.
@@ -39,6 +49,7 @@ from typing import Any
 
 from .._util import Deadline
 from ..errors import CollectiveTimeout, GradcollError, ProtocolError, UsageError
+from . import _shm_proof
 from .base import Transport
 from .shm_segment import PREFIX, _allocate, default_dir
 from .window import LAYOUT, WINDOW_TAG, MappedWindow, init_header, plan
@@ -50,6 +61,10 @@ _WINDOW_NAME = re.compile(re.escape(PREFIX) + r"\d+-[0-9a-f]{12}-w")
 #: Seconds an attaching rank waits for rank 0's verdict past the set-up's deadline (see ``_attach``).
 GO_GRACE_S = 0.5
 _POPULATE = getattr(mmap, "MAP_POPULATE", 0)
+#: Where the proofs of the secret live in the window's first page (after the global header, before the
+#: ranks' headers): rank 0's at ``PROOF_AT``, rank r's at ``PROOF_AT + 32 * r`` (64 ranks fill the page).
+PROOF_AT = 2048
+_CREATOR, _ATTACHER = b"gradcoll-window-creator-v1", b"gradcoll-window-attacher-v1"
 
 
 def _message(kind: str, text: str) -> bytes:
@@ -88,19 +103,24 @@ def _window(mm: Any, fd: int, rank: int, size: int) -> MappedWindow:
     return MappedWindow(mm, rank, size, probe=1, fd=fd, release=lambda: os.close(fd))
 
 
-def create(t: Transport, nbytes: int, timeout: float | None, directory: str | None = None) -> MappedWindow:
-    """Map a new window with ``nbytes`` per slot for every rank of ``t`` (collective; see the module docstring)."""
+def create(t: Transport, nbytes: int, timeout: float | None, directory: str | None = None,
+           key: bytes | None = None) -> MappedWindow:
+    """Map a new window with ``nbytes`` per slot for every rank of ``t`` (collective; see the module docstring).
+
+    ``key``: the group's secret (the transport's), proved by every rank through the window file itself.
+    """
     if nbytes < 0:
         raise UsageError(f"rank {t.rank}: a window slot cannot have {nbytes} bytes")
     deadline = Deadline(t.timeout if timeout is None else timeout)
     total = plan(t.size, nbytes)[0]
     directory = directory or default_dir()
     if t.rank == 0:
-        return _create(t, nbytes, total, directory, deadline)
-    return _attach(t, nbytes, total, directory, deadline)
+        return _create(t, nbytes, total, directory, deadline, key)
+    return _attach(t, nbytes, total, directory, deadline, key)
 
 
-def _create(t: Transport, nbytes: int, total: int, directory: str, deadline: Deadline) -> MappedWindow:
+def _create(t: Transport, nbytes: int, total: int, directory: str, deadline: Deadline,
+            key: bytes | None) -> MappedWindow:
     name = f"{PREFIX}{os.getpid()}-{secrets.token_hex(6)}-w"
     path = os.path.join(directory, name)
     peers = range(1, t.size)
@@ -113,6 +133,8 @@ def _create(t: Transport, nbytes: int, total: int, directory: str, deadline: Dea
             fcntl.lockf(fd, fcntl.LOCK_EX | fcntl.LOCK_NB, 1, 0)
             mm = _map(fd, total)
             init_header(mm, t.size, nbytes)
+            if key is not None:
+                _shm_proof.write(mm, PROOF_AT, key, _CREATOR, name, 0, t.size)
             _set_pid(mm, 0, t.size, nbytes)
             note = _message("OK", f"{socket.gethostname()} {name} {total}")
         except OSError as exc:
@@ -133,23 +155,32 @@ def _create(t: Transport, nbytes: int, total: int, directory: str, deadline: Dea
         os.close(fd)
         raise
     os.unlink(path)  # every rank has it mapped (or gave up): nothing can leak from here on
-    failed = [f"rank {p}: {text}" for p, (kind, text) in answers.items() if kind != "OK"]
-    go = (_message("TO", ",".join(map(str, missing))) if missing else _message("ER", "; ".join(failed)) if failed
-          else _message("GO", ""))
+    assert mm is not None
+    for p, (kind, _) in answers.items():
+        if kind == "OK" and key is not None and not _shm_proof.check(mm, PROOF_AT + 32 * p, key, _ATTACHER, name,
+                                                                     p, t.size):
+            answers[p] = ("PR", f"rank {p}: the process that attached to window {name} as rank {p} did not prove "
+                                "the group's secret: refused")
+    failed = [text if text.startswith(f"rank {p}:") else f"rank {p}: {text}" for p, (kind, text) in answers.items()
+              if kind != "OK"]
+    refused = [p for p, (kind, _) in answers.items() if kind == "PR"]
+    go = (_message("TO", ",".join(map(str, missing))) if missing else
+          _message("PR" if refused else "ER", "; ".join(failed)) if failed else _message("GO", ""))
     for p in answers:
         t.send(p, go, WINDOW_TAG, deadline.remaining())
-    assert mm is not None
     if missing or failed:
         os.close(fd)
-        _raise(0, *_parse(go))
+        _raise(0, *_parse(go), peer=refused[0] if refused else None)
     return _window(mm, fd, 0, t.size)
 
 
-def _raise(rank: int, kind: str, text: str) -> None:
-    """The error of a set-up that failed: TO lists the ranks that did not answer in time."""
+def _raise(rank: int, kind: str, text: str, peer: int | None = None) -> None:
+    """The error of a set-up that failed: TO lists the ranks that did not answer in time; PR is a refused proof."""
     if kind == "TO":
         who = [int(r) for r in text.split(",")]
         raise CollectiveTimeout(f"rank {rank}: window set-up: rank(s) {text} did not arrive", rank=rank, missing=who)
+    if kind == "PR":
+        raise ProtocolError(f"rank {rank}: the window could not be set up: {text}", rank=rank, peer=peer)
     raise GradcollError(f"rank {rank}: the window could not be set up: {text}")
 
 
@@ -159,15 +190,21 @@ def _recv(t: Transport, peer: int, deadline: Deadline) -> bytearray:
     return buf
 
 
-def _attach(t: Transport, nbytes: int, total: int, directory: str, deadline: Deadline) -> MappedWindow:
+def _attach(t: Transport, nbytes: int, total: int, directory: str, deadline: Deadline,
+            key: bytes | None) -> MappedWindow:
     me = t.rank
     kind, text = _parse(_recv(t, 0, deadline))
     if kind != "OK":
         raise GradcollError(f"rank {me}: {text}")
-    host, name, size = text.split()
     fd = -1
     mm: Any = None
+    refused: ProtocolError | None = None
     try:
+        parts = text.split()
+        if len(parts) != 3 or not parts[2].isdigit():
+            raise ProtocolError(f"rank {me}: rank 0 announced the window as {text[:80]!r}, not 'host name bytes'",
+                                rank=me, peer=0)
+        host, name, size = parts
         if host != socket.gethostname() or int(size) != total:
             raise UsageError(f"window {name} is on {host} with {size} bytes; this rank is on "
                              f"{socket.gethostname()} and expects {total}")
@@ -183,9 +220,17 @@ def _attach(t: Transport, nbytes: int, total: int, directory: str, deadline: Dea
             raise UsageError(f"window {name} has {st.st_size} bytes, not {total}")
         fcntl.lockf(fd, fcntl.LOCK_EX | fcntl.LOCK_NB, 1, me)
         mm = _map(fd, total)
+        if key is not None and not _shm_proof.check(mm, PROOF_AT, key, _CREATOR, name, 0, t.size):
+            raise ProtocolError(f"rank {me}: refused window {name}: it does not hold rank 0's proof of the group's "
+                                "secret (a file put there by another process, or a rank 0 without the secret)",
+                                rank=me, peer=0)
+        if key is not None:
+            _shm_proof.write(mm, PROOF_AT + 32 * me, key, _ATTACHER, name, me, t.size)
         _set_pid(mm, me, t.size, nbytes)
         answer = _message("OK", "")
-    except (OSError, UsageError, ProtocolError) as exc:
+    except ProtocolError as exc:
+        refused, answer = exc, _message("PR", str(exc))
+    except (OSError, UsageError) as exc:
         answer = _message("ER", str(exc))
     try:
         t.send(0, answer, WINDOW_TAG, deadline.remaining())
@@ -193,6 +238,8 @@ def _attach(t: Transport, nbytes: int, total: int, directory: str, deadline: Dea
         # at this same deadline; GO_GRACE_S past it lets that answer, not this rank's guess, be the error.
         rest = deadline.remaining()
         go = _parse(_recv(t, 0, Deadline(None if rest is None else rest + GO_GRACE_S)))
+        if refused is not None:
+            raise refused
         if answer[:2] != b"OK":
             raise GradcollError(f"rank {me}: the window could not be set up: {_parse(answer)[1]}")
         if go[0] != "GO":

@@ -171,7 +171,7 @@ def test_store_requests() -> None:
 def test_store_values() -> None:
     import socket
 
-    from gradcoll.group.rendezvous import _parse_join
+    from gradcoll.group._claims import Claim, parse_join
     from gradcoll.observe.control import _address as control_address
     from gradcoll.transport import shm_segment
     from gradcoll.transport.tcp_connect import _address as tcp_address
@@ -181,7 +181,8 @@ def test_store_values() -> None:
         (lambda b: tcp_address(b, "tcp/0"), b"127.0.0.1 5001 " + b"ab" * 16),
         (lambda b: control_address(b, 0), b"127.0.0.1 5001"),
         (lambda b: shm_segment._name(b, "shm/0-1", 1, 0), f"{host} gcshm-12-abcdefabcdef-0-1".encode()),
-        (lambda b: _parse_join(b, 1), b"4\nargument"),
+        (lambda b: parse_join(b, 1), b"4\nargument"),
+        (lambda b: Claim.decode(b, "claims/1/1"), Claim("h", "pid:[1]", 12, "345", "ab" * 8).encode()),
     ]
     for parse, valid in parsers:
         assert parse(valid)  # the valid value decodes
