@@ -182,8 +182,10 @@ def _dial(store: Store, key: str, rank: int, size: int, peer: int, deadline: Dea
                 last = e
             else:
                 sock.close()
+                why = (f"certificate verify failed: {e.verify_message}" if isinstance(e, ssl.SSLCertVerificationError)
+                       else e.reason or str(e))
                 raise ProtocolError(f"rank {rank}: refused peer {peer}: the TLS handshake with {host}:{port} failed: "
-                                    f"{getattr(e, 'verify_message', None) or e.reason or e} (do the ranks use certificates of the same authority?)",
+                                    f"{why} (do the ranks use certificates of the same authority?)",
                                     rank=rank, peer=peer) from None
         except _Refused as e:  # its address came from the store: a different secret, not a stale address
             sock.close()
