@@ -108,20 +108,44 @@ def tls_contexts(certfile: str, keyfile: str | None = None, cafile: str | None =
 
 
 # -- sending ----------------------------------------------------------------------
+class _Out:
+    """A send's frame in progress: its size, and its running payload tag (None once appended or untagged)."""
+
+    __slots__ = ("size", "mac", "hashed", "head")
+
+    def __init__(self, size: int, mac: Any, head: int) -> None:
+        self.size, self.mac, self.hashed, self.head = size, mac, 0, head
+
+
 def number(link: Any, op: Any) -> None:
-    """Give the send at the head of the queue its seq and its frame's pieces (header, payload, trailer)."""
+    """Give the send at the head of the queue its seq and its frame's pieces (header, payload; the trailer later).
+
+    The payload tag is computed as the payload goes out (``_hashed_to``),
+    not in a pass before the first byte, so the peer is never idle while
+    this rank hashes a large payload.
+    """
     sec: Secure = link.secure
     op.seq, link.send_seq = link.send_seq, link.send_seq + 1
     head = sec.header(op.seq, op.tag, op.total)
-    parts: list[Any] = [head]
-    if op.total:
-        parts.append(op.view)
-        if sec.tx is not None:
-            parts.append(sec.tx.tag(op.seq, b"P", head[:_HDR], op.view))
-    op.ext = sum(len(p) for p in parts)
-    if sec.tls and 1 < len(parts) and op.ext <= 1 << 16:
-        parts = [b"".join(parts)]  # one TLS record, not three
-    op.hdr = parts
+    mac = sec.tx.begin(op.seq, b"P", head[:_HDR]) if sec.tx is not None and op.total else None
+    op.ext = _Out(len(head) + op.total + (_MAC if mac is not None else 0), mac, len(head))
+    op.hdr = [head, op.view] if op.total else [head]
+    if sec.tls and op.ext.size <= 1 << 16:
+        _hashed_to(op, op.total)
+        op.hdr = [b"".join(op.hdr)]  # one TLS record, not three
+
+
+def _hashed_to(op: Any, upto: int) -> None:
+    """Hash the payload up to byte ``upto``; once it is all hashed, its tag becomes the frame's last piece."""
+    out: _Out = op.ext
+    if out.mac is None:
+        return
+    if upto > out.hashed:
+        out.mac.update(op.view[out.hashed : upto])
+        out.hashed = upto
+    if out.hashed == op.total:
+        op.hdr.append(out.mac.digest()[:_MAC])
+        out.mac = None
 
 
 def remaining(op: Any) -> list[memoryview]:
@@ -141,6 +165,7 @@ def rest(link: Any, op: Any) -> list[Any]:
     if link.secure is not None:
         if op.hdr is None:
             number(link, op)
+        _hashed_to(op, op.total)
         return remaining(op)
     if op.hdr is None:
         op.seq, link.send_seq = link.send_seq, link.send_seq + 1
@@ -165,8 +190,11 @@ def push(t: Any, link: Any) -> bool:
             t._send_failed(link, e)
             return True
         op.off += n
-        if op.off < op.ext:
-            return finished
+        out: _Out = op.ext
+        if op.off > out.head:
+            _hashed_to(op, min(op.off - out.head, op.total))
+        if op.off < out.size:
+            continue  # a partial write: the next one says EAGAIN
         q.popleft()
         op.done = finished = True
     return finished
