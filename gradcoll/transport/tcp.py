@@ -377,7 +377,7 @@ def create(
     challenge-response); a peer without it is refused and logged, and every
     frame carries an integrity tag (``gradcoll.transport.tcp_secure``).
     ``ssl_context``: one ``ssl.SSLContext`` that can both accept and dial,
-    or a ``(server, client)`` pair ([`tls_contexts`][gradcoll.transport.tcp.tls_contexts]
+    or a ``(server, client)`` pair (``tls_contexts``
     makes one for mutual TLS); every link then runs inside TLS.
     ``heartbeat_s`` and ``link_timeout`` say how fast a silent peer is found
     (module docstring).
