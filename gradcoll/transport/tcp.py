@@ -17,9 +17,8 @@ waits for the left neighbour, and two peers exchanging 64 MiB at once never
 deadlock. Receives land directly in the caller's buffer (``recvmsg_into`` /
 ``recv_into``, no staging copy). The send, receive and wait loops run
 compiled and without the GIL where ``_tcp_io`` was built (same bytes on the
-wire); ``GRADCOLL_TCP_PURE_PYTHON=1`` or a missing extension runs them here.
-With a secret (integrity tags) or an ``ssl_context`` (TLS) every link runs
-the loops of ``gradcoll.transport.tcp_secure`` instead.
+wire); ``GRADCOLL_TCP_PURE_PYTHON=1`` or a missing extension runs them here. Links
+with a secret (tagged frames) or TLS run ``gradcoll.transport.tcp_secure``'s.
 
 Dead links: every socket has TCP keepalive and ``TCP_USER_TIMEOUT`` set
 (``set_liveness``, ``gradcoll.transport.tcp_liveness``), so a peer that falls silent without closing (a pulled
@@ -89,7 +88,7 @@ class _SockLink(Link):
         self.sock, self.fd = sock, sock.fileno()
         self.events = 0  # mask currently registered with poll
         self.stash = b""  # bytes read past a stray frame (see _redirect), served before the socket
-        tls = isinstance(sock, ssl.SSLSocket)
+        tls = isinstance(sock, ssl.SSLSocket)  # tagged or in TLS: the loops of tcp_secure
         self.secure = sec.Secure(send_key, recv_key, tls) if tls or send_key is not None else None
 
     def header(self, tag: int, kind: int) -> bytes:
@@ -265,20 +264,15 @@ class TcpTransport(FramedTransport):
             except (BlockingIOError, InterruptedError):
                 return finished
             except OSError as e:
-                self._fail(link, TransportBroken, unreachable_or_broken(link.peer, e, self.link_timeout, self.heartbeat_s), e)
-                return True
+                return self._broken(link, op, e)
             if n == 0:
-                where = "in the middle of a message" if op.off else "without an orderly close (process died?)"
-                self._fail(link, TransportBroken, f"peer {link.peer} dropped the connection {where}")
-                return True
+                return self._broken(link, op)
             before, op.off = op.off, op.off + n
             if before < _HDR <= op.off:
                 try:
                     got = fr.unpack_header(op.hdr)
                 except ProtocolError as e:
-                    self.refuse(link, op, ProtocolError(f"rank {self.rank}: peer {link.peer} broke the protocol: {e}",
-                                                        rank=self.rank, peer=link.peer))
-                    return True
+                    return self._malformed(link, op, e)
                 if not self._accept_header(link, op, got):
                     return True
                 if op.stray is not None and op.off > _HDR:
@@ -289,6 +283,20 @@ class TcpTransport(FramedTransport):
             self._finish_recv(link, op)
             finished = True
         return finished
+
+    def _broken(self, link: _SockLink, op: Op, e: OSError | None = None) -> bool:
+        """A read of ``op`` failed with ``e``, or met the end of the stream: the link is broken (True)."""
+        if e is not None:
+            self._fail(link, TransportBroken, unreachable_or_broken(link.peer, e, self.link_timeout, self.heartbeat_s), e)
+        else:
+            where = "in the middle of a message" if op.off else "without an orderly close (process died?)"
+            self._fail(link, TransportBroken, f"peer {link.peer} dropped the connection {where}")
+        return True
+
+    def _malformed(self, link: _SockLink, op: Op, e: ProtocolError) -> bool:
+        """``op`` read a header the codec refused: drop the link (True)."""
+        self.refuse(link, op, ProtocolError(f"rank {self.rank}: peer {link.peer} broke the protocol: {e}", rank=self.rank, peer=link.peer))
+        return True
 
     def _send_failed(self, link: _SockLink, e: OSError) -> None:
         # EPIPE/ECONNRESET also follow an orderly close; if the peer's CLOSE

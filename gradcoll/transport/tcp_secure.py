@@ -37,10 +37,9 @@ import ssl
 from typing import Any
 
 from .. import _auth
-from ..errors import ProtocolError, TransportBroken, UsageError
+from ..errors import ProtocolError, UsageError
 from . import frame as fr
 from .tcp_connect import TlsPair
-from .tcp_liveness import unreachable_or_broken
 
 __all__ = ["Secure", "tls_pair", "tls_contexts", "number", "remaining", "rest", "push", "pull", "send_now", "peek",
            "pending"]
@@ -252,12 +251,9 @@ def pull(t: Any, link: Any) -> bool:
         except _WOULD_BLOCK:
             return finished
         except OSError as e:
-            t._fail(link, TransportBroken, unreachable_or_broken(link.peer, e, t.link_timeout, t.heartbeat_s), e)
-            return True
+            return bool(t._broken(link, op, e))
         if n == 0:
-            where = "in the middle of a message" if op.off else "without an orderly close (process died?)"
-            t._fail(link, TransportBroken, f"peer {link.peer} dropped the connection {where}")
-            return True
+            return bool(t._broken(link, op))
         before, op.off = op.off, op.off + n
         if op.off == h:
             if not _head(t, link, op):
@@ -285,8 +281,7 @@ def _head(t: Any, link: Any, op: Any) -> bool:
     try:
         got = fr.unpack_header(header)
     except ProtocolError as e:
-        t.refuse(link, op, ProtocolError(f"rank {t.rank}: peer {link.peer} broke the protocol: {e}", rank=t.rank,
-                                         peer=link.peer))
+        t._malformed(link, op, e)
         return False
     if not t._accept_header(link, op, got):
         return False
