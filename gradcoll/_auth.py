@@ -91,13 +91,17 @@ class Tagger:
     def __init__(self, key: bytes) -> None:
         self._base = hmac.new(key, digestmod=hashlib.sha256)
 
-    def tag(self, seq: int, *chunks: bytes | bytearray | memoryview) -> bytes:
-        """The 16-byte tag of frame ``seq`` made of ``chunks`` (the header, then the payload)."""
+    def begin(self, seq: int, *chunks: bytes | bytearray | memoryview) -> "hmac.HMAC":
+        """A running tag of frame ``seq`` over ``chunks`` so far: ``update`` it with the rest, ``digest()[:16]``."""
         h = self._base.copy()
         h.update(seq.to_bytes(8, "little"))
         for c in chunks:
             h.update(c)
-        return h.digest()[:MAC_SIZE]
+        return h
+
+    def tag(self, seq: int, *chunks: bytes | bytearray | memoryview) -> bytes:
+        """The 16-byte tag of frame ``seq`` made of ``chunks`` (the header, then the payload)."""
+        return self.begin(seq, *chunks).digest()[:MAC_SIZE]
 
     def check(self, seq: int, tag: bytes | bytearray | memoryview, *chunks: bytes | bytearray | memoryview) -> bool:
         """True when ``tag`` is the tag of frame ``seq`` made of ``chunks``."""

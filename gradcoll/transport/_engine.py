@@ -26,7 +26,8 @@ __all__ = ["Op", "Link", "FramedTransport"]
 class Op(QueuedRequest):
     """One queued send or receive; ``off`` counts bytes moved, header included."""
 
-    __slots__ = ("_t", "link", "is_send", "view", "tag", "total", "off", "hdr", "seq", "done", "error", "stray")
+    __slots__ = ("_t", "link", "is_send", "view", "tag", "total", "off", "hdr", "seq", "done", "error", "stray",
+                 "ext")
 
     def __init__(self, t: "FramedTransport", link: "Link", is_send: bool, view: memoryview, tag: int) -> None:
         self._t, self.link, self.is_send, self.view, self.tag = t, link, is_send, view, tag
@@ -37,6 +38,7 @@ class Op(QueuedRequest):
         self.done = False
         self.error: BaseException | None = None
         self.stray: Any = None  # (tag, expected length) once a lenient receive is redirected to a stray frame
+        self.ext: Any = None  # a secure tcp link's frame state (gradcoll.transport.tcp_secure)
 
     def describe(self, with_peer: bool = True) -> str:
         """E.g. ``recv from peer 2 (seq 7, tag 0, 4096 bytes)``."""

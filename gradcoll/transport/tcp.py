@@ -17,7 +17,8 @@ waits for the left neighbour, and two peers exchanging 64 MiB at once never
 deadlock. Receives land directly in the caller's buffer (``recvmsg_into`` /
 ``recv_into``, no staging copy). The send, receive and wait loops run
 compiled and without the GIL where ``_tcp_io`` was built (same bytes on the
-wire); ``GRADCOLL_TCP_PURE_PYTHON=1`` or a missing extension runs them here.
+wire); ``GRADCOLL_TCP_PURE_PYTHON=1`` or a missing extension runs them here. Links
+with a secret (tagged frames) or TLS run ``gradcoll.transport.tcp_secure``'s.
 
 Dead links: every socket has TCP keepalive and ``TCP_USER_TIMEOUT`` set
 (``set_liveness``, ``gradcoll.transport.tcp_liveness``), so a peer that falls silent without closing (a pulled
@@ -42,6 +43,7 @@ import importlib
 import os
 import select
 import socket
+import ssl
 import time
 from types import ModuleType
 from typing import cast
@@ -51,11 +53,14 @@ from .._util import Deadline
 from ..errors import ProtocolError, TransportAborted, TransportBroken, TransportClosed, UsageError
 from ..store import Store
 from . import frame as fr
+from . import tcp_secure as sec
 from ._engine import FramedTransport, Link, Op
-from .tcp_connect import SOCKBUF, connect
+from .tcp_connect import SOCKBUF, Linked, connect
 from .tcp_liveness import HEARTBEAT_S, LINK_TIMEOUT_S, set_liveness, unreachable_or_broken
+from .tcp_secure import tls_contexts
 
-__all__ = ["TcpTransport", "create", "set_liveness", "SOCKBUF", "SPIN_S", "HEARTBEAT_S", "LINK_TIMEOUT_S"]
+__all__ = ["TcpTransport", "create", "set_liveness", "tls_contexts", "SOCKBUF", "SPIN_S", "HEARTBEAT_S",
+           "LINK_TIMEOUT_S"]
 
 SPIN_S = 50e-6  # busy-poll this long before blocking in poll()
 _HDR = fr.HEADER_SIZE
@@ -72,14 +77,25 @@ def _compiled() -> ModuleType | None:
 
 
 _IO = _compiled()
-class _SockLink(Link):
-    """A link over one connected, non-blocking socket."""
 
-    def __init__(self, peer: int, sock: socket.socket) -> None:
+
+class _SockLink(Link):
+    """A link over one connected, non-blocking socket; ``secure`` when it carries tags or runs in TLS."""
+
+    def __init__(self, peer: int, sock: socket.socket, send_key: bytes | None = None,
+                 recv_key: bytes | None = None) -> None:
         super().__init__(peer)
         self.sock, self.fd = sock, sock.fileno()
         self.events = 0  # mask currently registered with poll
         self.stash = b""  # bytes read past a stray frame (see _redirect), served before the socket
+        tls = isinstance(sock, ssl.SSLSocket)  # tagged or in TLS: the loops of tcp_secure
+        self.secure = sec.Secure(send_key, recv_key, tls) if tls or send_key is not None else None
+
+    def header(self, tag: int, kind: int) -> bytes:
+        """A CLOSE or ABORT frame (``tag``: the reason) at the next send seq, tagged on a tagged link."""
+        if self.secure is not None:
+            return self.secure.header(self.send_seq, tag, 0, kind)
+        return fr.pack_header(self.send_seq, tag, 0, kind)
 
 
 def _redirect(link: _SockLink, op: Op) -> None:
@@ -115,16 +131,19 @@ class TcpTransport(FramedTransport):
 
     name = "tcp"
 
-    def __init__(self, rank: int, size: int, socks: dict[int, socket.socket], timeout: float = 300.0, *,
-                 heartbeat_s: float = HEARTBEAT_S, link_timeout: float = LINK_TIMEOUT_S) -> None:
+    def __init__(self, rank: int, size: int, socks: dict[int, socket.socket] | dict[int, Linked],
+                 timeout: float = 300.0, *, heartbeat_s: float = HEARTBEAT_S,
+                 link_timeout: float = LINK_TIMEOUT_S) -> None:
         if not heartbeat_s > 0 or not link_timeout > 0:
             raise UsageError(f"heartbeat_s and link_timeout must be positive, got {heartbeat_s!r}, {link_timeout!r}")
         self.heartbeat_s, self.link_timeout = float(heartbeat_s), float(link_timeout)
-        for s in socks.values():
-            s.setblocking(False)
-            set_liveness(s, heartbeat_s, link_timeout)
-        super().__init__(rank, size, {p: _SockLink(p, s) for p, s in socks.items()}, timeout)
+        links = {p: s if isinstance(s, Linked) else Linked(s) for p, s in socks.items()}
+        for ln in links.values():
+            ln.sock.setblocking(False)
+            set_liveness(ln.sock, heartbeat_s, link_timeout)
+        super().__init__(rank, size, {p: _SockLink(p, *ln) for p, ln in links.items()}, timeout)
         self._peers: list[_SockLink] = [cast(_SockLink, ln) for ln in self._links if ln is not None]
+        self._tls = any(ln.secure is not None and ln.secure.tls for ln in self._peers)
         self._poll = select.poll()
         self._wake_r, self._wake_w = socket.socketpair()
         self._wake_r.setblocking(False)
@@ -156,6 +175,8 @@ class TcpTransport(FramedTransport):
         # Poll without blocking for the first SPIN_S, yielding the CPU in between (a peer that shares this
         # core runs meanwhile), then sleep in poll(): waking a sleeping process costs tens of microseconds,
         # more than a small message's round trip. The compiled loop does it without the GIL.
+        if self._tls and any(sec.pending(link) for link in self._peers):
+            return  # TLS already decrypted bytes that poll cannot see
         left, now = deadline.remaining(), time.monotonic()
         if rounds <= 1:
             self._idle_since = now
@@ -185,6 +206,8 @@ class TcpTransport(FramedTransport):
 
     # -- moving bytes ----------------------------------------------------
     def _push(self, link: _SockLink) -> bool:
+        if link.secure is not None:
+            return sec.push(self, link)
         q, finished = link.sendq, False
         while q:
             op = q[0]
@@ -214,6 +237,8 @@ class TcpTransport(FramedTransport):
         return finished
 
     def _pull(self, link: _SockLink) -> bool:
+        if link.secure is not None:
+            return sec.pull(self, link)
         q, finished = link.recvq, False
         while q:
             op = q[0]
@@ -239,20 +264,15 @@ class TcpTransport(FramedTransport):
             except (BlockingIOError, InterruptedError):
                 return finished
             except OSError as e:
-                self._fail(link, TransportBroken, unreachable_or_broken(link.peer, e, self.link_timeout, self.heartbeat_s), e)
-                return True
+                return self._broken(link, op, e)
             if n == 0:
-                where = "in the middle of a message" if op.off else "without an orderly close (process died?)"
-                self._fail(link, TransportBroken, f"peer {link.peer} dropped the connection {where}")
-                return True
+                return self._broken(link, op)
             before, op.off = op.off, op.off + n
             if before < _HDR <= op.off:
                 try:
                     got = fr.unpack_header(op.hdr)
                 except ProtocolError as e:
-                    self.refuse(link, op, ProtocolError(f"rank {self.rank}: peer {link.peer} broke the protocol: {e}",
-                                                        rank=self.rank, peer=link.peer))
-                    return True
+                    return self._malformed(link, op, e)
                 if not self._accept_header(link, op, got):
                     return True
                 if op.stray is not None and op.off > _HDR:
@@ -264,31 +284,37 @@ class TcpTransport(FramedTransport):
             finished = True
         return finished
 
+    def _broken(self, link: _SockLink, op: Op, e: OSError | None = None) -> bool:
+        """A read of ``op`` failed with ``e``, or met the end of the stream: the link is broken (True)."""
+        if e is not None:
+            self._fail(link, TransportBroken, unreachable_or_broken(link.peer, e, self.link_timeout, self.heartbeat_s), e)
+        else:
+            where = "in the middle of a message" if op.off else "without an orderly close (process died?)"
+            self._fail(link, TransportBroken, f"peer {link.peer} dropped the connection {where}")
+        return True
+
+    def _malformed(self, link: _SockLink, op: Op, e: ProtocolError) -> bool:
+        """``op`` read a header the codec refused: drop the link (True)."""
+        self.refuse(link, op, ProtocolError(f"rank {self.rank}: peer {link.peer} broke the protocol: {e}", rank=self.rank, peer=link.peer))
+        return True
+
     def _send_failed(self, link: _SockLink, e: OSError) -> None:
         # EPIPE/ECONNRESET also follow an orderly close; if the peer's CLOSE
         # frame is next in the stream, report "closed", not "broken".
         cls: type[TransportBroken | TransportClosed] = TransportBroken
         reason = unreachable_or_broken(link.peer, e, self.link_timeout, self.heartbeat_s)
-        if not (link.recvq and link.recvq[0].off):
-            try:
-                head = link.sock.recv(_HDR, socket.MSG_PEEK | socket.MSG_DONTWAIT)
-                got = fr.unpack_header(head) if len(head) == _HDR else None
-                if got is not None and got.kind == fr.CLOSE:
-                    cls, reason = TransportClosed, f"peer {link.peer} closed the link"
-                elif got is not None and got.kind == fr.ABORT:
-                    why = fr.abort_reason(got.tag)
-                    cls, reason = TransportAborted, f"peer {link.peer} dropped the link after {why} on its side"
-            except (OSError, ProtocolError):
-                pass
+        got = None if link.recvq and link.recvq[0].off else sec.peek(link)
+        if got is not None and got.kind == fr.CLOSE:
+            cls, reason = TransportClosed, f"peer {link.peer} closed the link"
+        elif got is not None and got.kind == fr.ABORT:
+            why = fr.abort_reason(got.tag)
+            cls, reason = TransportAborted, f"peer {link.peer} dropped the link after {why} on its side"
         self._fail(link, cls, reason, e)
 
     # -- failure and close -------------------------------------------------
     def _on_fail(self, link: _SockLink, abort: int | None) -> None:
         if abort is not None and not (link.sendq and link.sendq[0].off):
-            try:  # best effort: only if we are between messages and there is room
-                link.sock.send(fr.pack_header(link.send_seq, abort, 0, fr.ABORT), socket.MSG_DONTWAIT)
-            except OSError:
-                pass
+            sec.send_now(link, link.header(abort, fr.ABORT))  # best effort: only between messages, if there is room
         try:  # wakes a poller and tells the peer at once; the fd is closed in close()
             link.sock.shutdown(socket.SHUT_RDWR)
         except OSError:
@@ -310,16 +336,14 @@ def _say_goodbye(link: _SockLink) -> None:
     sock, deadline = link.sock, Deadline(1.0)
     try:
         for op in list(link.sendq):  # the peer gets what was sent before CLOSE
-            if op.hdr is None:
-                op.seq, link.send_seq = link.send_seq, link.send_seq + 1
-                op.hdr = fr.pack_header(op.seq, op.tag, op.total)
-            for part in (op.hdr[op.off :] if op.off < _HDR else b"", op.view[max(0, op.off - _HDR) :]):
+            parts = sec.rest(link, op)
+            for part in parts:
                 sock.settimeout(max(deadline.remaining() or 0.0, 1e-3))
                 sock.sendall(part)
             link.sendq.popleft()
-            op.off, op.done = _HDR + op.total, True
+            op.off, op.done = op.off + sum(len(p) for p in parts), True
         sock.settimeout(max(deadline.remaining() or 0.0, 1e-3))
-        sock.sendall(fr.pack_header(link.send_seq, 0, 0, fr.CLOSE))
+        sock.sendall(link.header(0, fr.CLOSE))
         # Unread input makes the kernel answer our close with RST, which can
         # overtake the CLOSE frame at the peer: drain what is already here.
         sock.setblocking(False)
@@ -344,6 +368,7 @@ def create(
     sockbuf: int = SOCKBUF,
     key_prefix: str = "tcp",
     secret: bytes | str | None = None,
+    ssl_context: ssl.SSLContext | tuple[ssl.SSLContext, ssl.SSLContext] | None = None,
     heartbeat_s: float = HEARTBEAT_S,
     link_timeout: float = LINK_TIMEOUT_S,
 ) -> TcpTransport:
@@ -357,15 +382,19 @@ def create(
     earlier group are never read. ``timeout`` bounds the whole bootstrap and
     becomes the transport's default timeout. ``secret`` (default
     ``$GRADCOLL_SECRET``): every link proves both ends know it (mutual HMAC
-    challenge-response); a peer without it is refused and logged.
+    challenge-response); a peer without it is refused and logged, and every
+    frame carries an integrity tag (``gradcoll.transport.tcp_secure``).
+    ``ssl_context``: one ``ssl.SSLContext`` that can both accept and dial,
+    or a ``(server, client)`` pair (``tls_contexts``
+    makes one for mutual TLS); every link then runs inside TLS.
     ``heartbeat_s`` and ``link_timeout`` say how fast a silent peer is found
     (module docstring).
     """
     socks = connect(store, rank, size, Deadline(timeout), host=host, sockbuf=sockbuf, key_prefix=key_prefix,
-                    key=_auth.resolve(secret))
+                    key=_auth.resolve(secret), tls=sec.tls_pair(ssl_context))
     try:
         return TcpTransport(rank, size, socks, timeout=timeout, heartbeat_s=heartbeat_s, link_timeout=link_timeout)
     except BaseException:
         for s in socks.values():
-            s.close()
+            s.sock.close()
         raise

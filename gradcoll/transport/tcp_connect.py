@@ -21,7 +21,16 @@ the dialler answers with its proof. Each proof is an HMAC
 for that listener), both rank numbers, both nonces and the port dialled,
 so a recorded handshake cannot be replayed and a live one cannot be relayed
 through another address. A peer without the secret is refused and logged
-with its address; a dialler refuses a listener that cannot prove it.
+with its address; a dialler refuses a listener that cannot prove it. The
+same fields give each direction of the link its own key for the data
+frames' integrity tags (``frame_key``; ``gradcoll.transport.tcp_secure``).
+
+With an ``ssl_context`` pair (server side, client side) every connection is
+wrapped in TLS right after the TCP connect, before the HELLO, so the
+handshake and every frame after it run inside TLS. A TLS failure (a
+certificate the other side does not trust) is final, never retried: the
+dialler raises a ``ProtocolError`` naming the peer at once, and the
+listener refuses and logs the connection.
 """
 
 from __future__ import annotations
@@ -29,8 +38,10 @@ from __future__ import annotations
 import logging
 import secrets
 import socket
+import ssl
 import threading
 import time
+from typing import NamedTuple
 
 from .. import _auth
 from .._util import Deadline, recv_exact
@@ -38,7 +49,7 @@ from ..errors import CollectiveTimeout, ProtocolError, UsageError
 from ..store import Store
 from . import frame as fr
 
-__all__ = ["connect", "SOCKBUF", "HANDSHAKE_TIMEOUT"]
+__all__ = ["connect", "Linked", "frame_key", "SOCKBUF", "HANDSHAKE_TIMEOUT"]
 
 log = logging.getLogger("gradcoll.transport.tcp")  # the transport's logger, as before the split
 
@@ -46,20 +57,37 @@ log = logging.getLogger("gradcoll.transport.tcp")  # the transport's logger, as 
 SOCKBUF = 4 << 20
 #: Seconds one connection may take to complete the handshake.
 HANDSHAKE_TIMEOUT = 5.0
+#: (server side, client side) TLS contexts, or None for plain TCP.
+TlsPair = tuple[ssl.SSLContext, ssl.SSLContext] | None
+
+
+class Linked(NamedTuple):
+    """One connected link: its socket and, with a secret, the keys of its two directions' integrity tags."""
+
+    sock: socket.socket
+    send_key: bytes | None = None
+    recv_key: bytes | None = None
+
+
+def frame_key(secret: bytes, token: bytes, src: int, dst: int, dialler_nonce: bytes, listener_nonce: bytes,
+              port: int) -> bytes:
+    """The key of the integrity tags on the frames ``src`` sends to ``dst`` over the link this handshake made."""
+    return _auth.derive(secret, b"gradcoll-tcp-frames-v1", token, src, dst, dialler_nonce, listener_nonce, port)
 
 
 def connect(store: Store, rank: int, size: int, deadline: Deadline, *, host: str = "127.0.0.1",
-            sockbuf: int = SOCKBUF, key_prefix: str = "tcp", key: bytes | None = None) -> dict[int, socket.socket]:
-    """One connected, authenticated, ``TCP_NODELAY`` socket to every other rank (peer -> socket).
+            sockbuf: int = SOCKBUF, key_prefix: str = "tcp", key: bytes | None = None,
+            tls: TlsPair = None) -> dict[int, Linked]:
+    """One connected, authenticated, ``TCP_NODELAY`` link to every other rank (peer -> ``Linked``).
 
     Listens on ``host`` (an ephemeral port) when this rank has higher peers
     and publishes the address under ``{key_prefix}/{rank}``; dials every lower
     rank and accepts every higher one, all before ``deadline``. ``key``: the
-    group's secret (see the module docstring).
+    group's secret, ``tls`` the (server, client) TLS contexts (see the module docstring).
     """
     if size < 1 or not 0 <= rank < size:
         raise UsageError(f"rank {rank} out of range for world size {size}")
-    socks: dict[int, socket.socket] = {}
+    socks: dict[int, Linked] = {}
     listener = None
     acceptor = None
     try:
@@ -70,15 +98,15 @@ def connect(store: Store, rank: int, size: int, deadline: Deadline, *, host: str
             listener.listen(max(size, 128))
             token = secrets.token_bytes(16)
             port = listener.getsockname()[1]
-            acceptor = _Acceptor(listener, token, port, rank, size, key, deadline)  # accepts while this rank dials
+            acceptor = _Acceptor(listener, token, port, rank, size, key, deadline, tls)  # accepts while this rank dials
             store.set(f"{key_prefix}/{rank}", f"{host} {port} {token.hex()}".encode())
         for peer in range(rank):
-            socks[peer] = _dial(store, f"{key_prefix}/{peer}", rank, size, peer, deadline, sockbuf, key)
+            socks[peer] = _dial(store, f"{key_prefix}/{peer}", rank, size, peer, deadline, sockbuf, key, tls)
         if acceptor is not None:
             socks.update(acceptor.result())
     except BaseException:
         for s in socks.values():
-            s.close()
+            s.sock.close()
         raise
     finally:
         if acceptor is not None:
@@ -86,7 +114,7 @@ def connect(store: Store, rank: int, size: int, deadline: Deadline, *, host: str
         if listener is not None:
             listener.close()
     for s in socks.values():
-        s.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+        s.sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
     return socks
 
 
@@ -114,7 +142,7 @@ def _address(raw: bytes, key: str) -> tuple[str, int, bytes]:
 
 
 def _dial(store: Store, key: str, rank: int, size: int, peer: int, deadline: Deadline, sockbuf: int,
-          secret: bytes | None) -> socket.socket:
+          secret: bytes | None, tls: TlsPair) -> Linked:
     """Connect to ``peer``'s listener and complete the handshake, retrying until the deadline."""
     delay: float = 0.005
     last: Exception | None = None
@@ -126,6 +154,8 @@ def _dial(store: Store, key: str, rank: int, size: int, peer: int, deadline: Dea
             _tune(sock, sockbuf)
             sock.settimeout(min(HANDSHAKE_TIMEOUT, left) if left is not None else HANDSHAKE_TIMEOUT)
             sock.connect((host, port))
+            if tls is not None:
+                sock = _wrap(tls[1], sock, host)
             if secret is None:
                 sock.sendall(fr.pack_hello(fr.HELLO, rank, size, token))
             else:
@@ -142,7 +172,21 @@ def _dial(store: Store, key: str, rank: int, size: int, peer: int, deadline: Dea
                     raise _Refused(f"the listener at {host}:{port} does not know the group's secret")
                 sock.sendall(_auth.proof(secret, _DIALLER, token, rank, peer, theirs, mine, port))
             sock.settimeout(None)
-            return sock
+            if secret is None:
+                return Linked(sock)
+            return Linked(sock, frame_key(secret, token, rank, peer, mine, theirs, port),
+                          frame_key(secret, token, peer, rank, mine, theirs, port))
+        except ssl.SSLError as e:
+            if isinstance(e, (ssl.SSLEOFError, ssl.SSLZeroReturnError)):  # a listener that hung up: retry
+                sock.close()
+                last = e
+            else:
+                sock.close()
+                why = (f"certificate verify failed: {e.verify_message}" if isinstance(e, ssl.SSLCertVerificationError)
+                       else e.reason or str(e))
+                raise ProtocolError(f"rank {rank}: refused peer {peer}: the TLS handshake with {host}:{port} failed: "
+                                    f"{why} (do the ranks use certificates of the same authority?)",
+                                    rank=rank, peer=peer) from None
         except _Refused as e:  # its address came from the store: a different secret, not a stale address
             sock.close()
             raise ProtocolError(f"rank {rank}: refused peer {peer}: {e} (do the ranks have different secrets?)",
@@ -164,6 +208,11 @@ class _Refused(ProtocolError):
     """A peer failed the secret's proof."""
 
 
+def _wrap(ctx: ssl.SSLContext, sock: socket.socket, host: str | None) -> ssl.SSLSocket:
+    """``sock`` inside TLS (the handshake runs now, under the socket's timeout); a client names ``host``."""
+    return ctx.wrap_socket(sock, server_side=host is None, server_hostname=host if ctx.check_hostname else None)
+
+
 #: The labels of the two proofs of the authenticated handshake.
 _LISTENER, _DIALLER = b"gradcoll-tcp-listener-v1", b"gradcoll-tcp-dialler-v1"
 
@@ -172,11 +221,11 @@ class _Acceptor:
     """The listener's side: accepts in a thread, one handshake thread per connection (see the module doc)."""
 
     def __init__(self, listener: socket.socket, token: bytes, port: int, rank: int, size: int, key: bytes | None,
-                 deadline: Deadline) -> None:
+                 deadline: Deadline, tls: TlsPair) -> None:
         self.listener, self.token, self.port, self.rank, self.size, self.key = listener, token, port, rank, size, key
-        self.deadline = deadline
+        self.deadline, self.tls = deadline, tls
         self.cv = threading.Condition()
-        self.socks: dict[int, tuple[socket.socket, object]] = {}
+        self.socks: dict[int, tuple[Linked, object]] = {}
         self.stopped = False
         self.refused = ""  # the last connection refused, for the timeout's message
         self.thread = threading.Thread(target=self._accept, name=f"gradcoll-tcp-accept:{rank}", daemon=True)
@@ -196,6 +245,8 @@ class _Acceptor:
     def _handshake(self, conn: socket.socket, addr: object) -> None:
         try:
             conn.settimeout(HANDSHAKE_TIMEOUT)
+            if self.tls is not None:
+                conn = _wrap(self.tls[0], conn, None)
             hello = fr.unpack_hello(recv_exact(conn, fr.HELLO_SIZE, "handshake"))
             want = fr.HELLO if self.key is None else fr.HELLO_AUTH
             if hello.kind != want:
@@ -206,6 +257,7 @@ class _Acceptor:
                                     f"{self.rank + 1}..{self.size - 1})")
             if self.key is None:
                 conn.sendall(fr.pack_hello(fr.ACK, self.rank, self.size, self.token))
+                linked = Linked(conn)
             else:
                 theirs, mine = recv_exact(conn, _auth.NONCE_SIZE, "handshake nonce"), _auth.nonce()
                 proof = _auth.proof(self.key, _LISTENER, self.token, self.rank, hello.rank, theirs, mine, self.port)
@@ -214,6 +266,8 @@ class _Acceptor:
                 if not _auth.same(got, _auth.proof(self.key, _DIALLER, self.token, hello.rank, self.rank, mine,
                                                    theirs, self.port)):
                     raise ProtocolError(f"wrong secret: the proof of a peer claiming rank {hello.rank} does not match")
+                linked = Linked(conn, frame_key(self.key, self.token, self.rank, hello.rank, theirs, mine, self.port),
+                                frame_key(self.key, self.token, hello.rank, self.rank, theirs, mine, self.port))
             conn.settimeout(None)
         except (OSError, ConnectionError, ProtocolError) as e:
             log.warning("rank %d: refused a connection from %s: %s", self.rank, addr, e)
@@ -229,10 +283,10 @@ class _Acceptor:
                                 hello.rank, first[1], addr)
                 conn.close()
                 return
-            self.socks[hello.rank] = (conn, addr)
+            self.socks[hello.rank] = (linked, addr)
             self.cv.notify_all()
 
-    def result(self) -> dict[int, socket.socket]:
+    def result(self) -> dict[int, Linked]:
         """Every higher rank's socket, once each has completed its handshake (CollectiveTimeout at the deadline)."""
         want = set(range(self.rank + 1, self.size))
         with self.cv:
@@ -255,4 +309,4 @@ class _Acceptor:
             leftover = [] if taken else [s for s, _ in self.socks.values()]
         self.thread.join(1.0)
         for s in leftover:
-            s.close()
+            s.sock.close()

@@ -265,3 +265,39 @@ def test_init_process_group_with_a_secret(backend: str) -> None:
             assert got == {0: want, 1: want}, got
         else:  # a rank without the secret never completes a collective with the others
             assert all(isinstance(v, str) for v in got.values()), got
+
+
+def _tls_rank(path: str, rank: int, cert: tuple[str, str], out: Any) -> None:
+    from gradcoll.group.rendezvous import init_process_group
+
+    try:
+        g = init_process_group("tcp", f"file://{path}", rank, 2, timeout=20, startup_timeout=8, secret="pw",
+                               ssl_context=tcp.tls_contexts(*cert))
+        assert all(type(ln.sock).__name__ == "SSLSocket" for ln in g.transport._peers)  # type: ignore[attr-defined]
+        buf = np.arange(1 << 18, dtype=np.float32) * (rank + 1)
+        g.allreduce(buf, op="sum")
+        g.close()
+        out.put((rank, bool(np.array_equal(buf, np.arange(1 << 18, dtype=np.float32) * 3))))
+    except BaseException as exc:  # noqa: BLE001 - shipped to the parent
+        out.put((rank, f"{type(exc).__name__}: {exc}"))
+
+
+def test_init_process_group_over_tls_with_a_secret(tmp_path: Any) -> None:
+    import shutil
+    import subprocess
+
+    if shutil.which("openssl") is None:
+        pytest.skip("the openssl command is not installed (apt-get install openssl): TLS needs a certificate")
+    cert = (str(tmp_path / "c.pem"), str(tmp_path / "k.pem"))
+    subprocess.run(["openssl", "req", "-x509", "-newkey", "ec", "-pkeyopt", "ec_paramgen_curve:prime256v1", "-nodes",
+                    "-keyout", cert[1], "-out", cert[0], "-days", "1", "-subj", "/CN=gradcoll-group"],
+                   check=True, capture_output=True, timeout=30)
+    ctx = multiprocessing.get_context("forkserver")
+    out = ctx.Queue()
+    procs = [ctx.Process(target=_tls_rank, args=(str(tmp_path / "s"), r, cert, out)) for r in range(2)]
+    for p in procs:
+        p.start()
+    got = dict(out.get(timeout=40) for _ in range(2))
+    for p in procs:
+        p.join(10)
+    assert got == {0: True, 1: True}, got
