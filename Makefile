@@ -32,11 +32,14 @@ bench: $(STAMP)
 fuzz: $(STAMP)
 	GRADCOLL_FUZZ_EXAMPLES=20000 $(PY) -m pytest -q tests/fuzz -p no:cacheprovider
 
-# The whole fault matrix 3 times, the 10,000-call soak, then the table of docs/reliability.md.
+# The whole fault matrix 3 times, the 10,000-call soak, the security scenarios, then the table of docs/reliability.md.
+SECURITY_TESTS := tests/group/test_secret.py tests/group/test_duplicate_rank.py tests/group/test_close_thread.py \
+	tests/group/test_one_thread.py tests/transport/test_tcp.py tests/transport/test_tcp_secure.py tests/node/test_secret.py \
+	tests/transport/test_window_secret.py
 faults: $(STAMP)
 	mkdir -p build && rm -f build/faults.jsonl
 	GRADCOLL_FAULTS=full GRADCOLL_FAULT_REPEATS=3 GRADCOLL_SOAK_ITERS=10000 GRADCOLL_FAULT_LOG=$(CURDIR)/build/faults.jsonl \
-		$(PY) -m pytest -q tests/faults tests/group/test_soak.py -p no:cacheprovider
+		$(PY) -m pytest -q tests/faults tests/group/test_soak.py $(SECURITY_TESTS) -p no:cacheprovider
 	$(PY) benches/faults_report.py build/faults.jsonl docs/reliability.md
 
 docs: $(STAMP)

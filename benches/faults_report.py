@@ -55,7 +55,7 @@ def table(records: list[dict[str, Any]]) -> str:
     for r in records:
         key = (r["area"], r.get("transport") or "", r.get("algorithm") or "", r["fault"], r.get("buffer") or "")
         groups[key].append(r)
-    order = {"collective": 0, "mpi": 1, "coordinator": 2, "soak": 3}
+    order = {"collective": 0, "mpi": 1, "coordinator": 2, "soak": 3, "security": 4}
     lines = ["| area | transport / algorithm | fault, buffer (victim) | tried | detection ms (median / max) | "
              "what the others raised | lost | verdict |", "|---|---|---|---|---|---|---|---|"]
     lines += [_row(k, groups[k]) for k in sorted(groups, key=lambda k: (order.get(k[0], 9), k))]

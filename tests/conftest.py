@@ -31,3 +31,28 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
         for item in items:
             if "gpu" in item.keywords:
                 item.add_marker(skip)
+
+
+@pytest.hookimpl(hookwrapper=True)
+def pytest_runtest_makereport(item: pytest.Item, call: pytest.CallInfo[None]):  # type: ignore[no-untyped-def]
+    """A test marked ``scenario(name, raised=...)`` is one row of docs/reliability.md's table under ``make faults``.
+
+    With ``GRADCOLL_FAULT_LOG`` set, its run is appended to that file
+    (``benches/faults_report.py`` reads it): the area (default
+    ``security``), the scenario, what the test asserts every rank raised,
+    the whole scenario's time (an upper bound of the detection time), and
+    whether it passed (a failed run is a row with a problem).
+    """
+    outcome = yield
+    mark = item.get_closest_marker("scenario")
+    if mark is None or call.when != "call" or not os.environ.get("GRADCOLL_FAULT_LOG"):
+        return
+    from tests.faults._harness import log_fault
+
+    report = outcome.get_result()
+    params = getattr(item, "callspec", None) if mark.kwargs.get("per_variant", True) else None
+    variant = ", ".join(str(v) for v in params.params.values()) if params is not None else ""
+    log_fault(area=mark.kwargs.get("area", "security"), fault=mark.args[0], buffer=variant or None,
+              transport=mark.kwargs.get("transport"), detection=[report.duration] if report.passed else [],
+              errors=[mark.kwargs["raised"]] if report.passed and mark.kwargs.get("raised") else [],
+              problems=[] if report.passed else [report.outcome])

@@ -45,6 +45,7 @@ def _rank(path: str, r: int, backend: str, out: Any) -> None:
     g.close()
 
 
+@pytest.mark.scenario("close() from another thread during an allreduce", raised="TransportClosed")
 @pytest.mark.parametrize("backend", ["tcp", "shm"])
 def test_close_from_another_thread_is_transport_closed_on_both(backend: str) -> None:
     ctx = multiprocessing.get_context("forkserver")

@@ -102,6 +102,7 @@ def _twice(first: _Rank, second: _Rank) -> str:
             "against the same rendezvous store")
 
 
+@pytest.mark.scenario("rank 1 started twice while its group starts", raised="UsageError")
 def test_a_second_process_as_rank_1_fails_every_rank_of_a_group_still_starting(tmp_path: Path) -> None:
     path = tmp_path / "store"
     store = FileStore(str(path), timeout=30)
@@ -131,6 +132,7 @@ def master() -> Any:
     store.close()
 
 
+@pytest.mark.scenario("rank 1 started twice after its group runs", raised="UsageError")
 def test_a_second_process_as_rank_1_fails_alone_once_the_group_runs(master: TCPStore) -> None:
     path = master.port
     ranks = [_Rank(path, 0), _Rank(path, 1)]

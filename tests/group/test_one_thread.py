@@ -20,6 +20,7 @@ from gradcoll.transport import tcp
 pytestmark = pytest.mark.timeout(60)
 
 
+@pytest.mark.scenario("second thread enters a collective", raised="UsageError")
 def test_a_second_thread_is_refused_and_nothing_is_lost() -> None:
     groups = [ProcessGroup(t) for t in threaded_group(tcp.create, 2, timeout=10)]
     inside = [threading.Event() for _ in range(2)]

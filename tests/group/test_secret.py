@@ -38,6 +38,7 @@ def _no_env_secret(monkeypatch: pytest.MonkeyPatch) -> None:
 # -- the store -------------------------------------------------------------------------------
 
 
+@pytest.mark.scenario("store client without the secret, or with a wrong one", raised="ProtocolError")
 def test_store_refuses_clients_without_the_secret_and_logs_them(caplog: pytest.LogCaptureFixture) -> None:
     master = TCPStore(is_master=True, secret="s3cret", timeout=5)
     try:
@@ -57,6 +58,7 @@ def test_store_refuses_clients_without_the_secret_and_logs_them(caplog: pytest.L
         master.close()
 
 
+@pytest.mark.scenario("store that does not know the secret", raised="ProtocolError")
 def test_a_client_with_a_secret_refuses_a_store_without_one() -> None:
     master = TCPStore(is_master=True, timeout=5)
     try:
@@ -66,6 +68,7 @@ def test_a_client_with_a_secret_refuses_a_store_without_one() -> None:
         master.close()
 
 
+@pytest.mark.scenario("store flooded past its byte and key bounds", raised="GradcollError")
 def test_store_bounds_bytes_and_keys() -> None:
     master = TCPStore(is_master=True, timeout=5, max_bytes=10_000, max_keys=3)
     try:
@@ -84,6 +87,7 @@ def test_store_bounds_bytes_and_keys() -> None:
         master.close()
 
 
+@pytest.mark.scenario("stranger announces a 60 MiB store request before proving the secret", raised="refused unread")
 def test_a_stranger_before_authentication_cannot_send_a_big_frame() -> None:
     master = TCPStore(is_master=True, secret="s3cret", timeout=5)
     try:
@@ -98,6 +102,7 @@ def test_a_stranger_before_authentication_cannot_send_a_big_frame() -> None:
 # -- tcp links -------------------------------------------------------------------------------
 
 
+@pytest.mark.scenario("tcp link dialled with another secret", raised="ProtocolError")
 def test_tcp_links_need_the_same_secret() -> None:
     store = HashStore(10)
     ts, errors = gather_ranks(lambda r: tcp.create(store, r, 3, timeout=10, secret="k", key_prefix="a"), 3)
@@ -122,6 +127,7 @@ def test_tcp_links_need_the_same_secret() -> None:
     assert errors[0] is not None and "did not connect" in str(errors[0])
 
 
+@pytest.mark.scenario("100 idle connections and a keyless dialler at startup", raised="none (group served)")
 def test_hundred_idle_strangers_and_a_keyless_dialler_change_nothing(caplog: pytest.LogCaptureFixture) -> None:
     store, idle = HashStore(20), []
 
@@ -156,6 +162,7 @@ def _attach(name: str, directory: str, secret: bytes | None = None) -> Any:
     return seg._attach(store, "k", directory, socket.gethostname(), 1, 0, seg.Deadline(0.5), secret)
 
 
+@pytest.mark.scenario("shm segment name of another shape", raised="ProtocolError", per_variant=False)
 @pytest.mark.parametrize("name", ["../../etc/fake_segment", "gcshm-1-abcdefabcdef-0-1/../x", "gcshm-1-xyz-0-1",
                                   "gcshm-1-abcdefabcdef-0-2", "fake_segment"])
 def test_shm_refuses_names_of_any_other_shape(name: str, tmp_path: Any) -> None:
@@ -163,6 +170,7 @@ def test_shm_refuses_names_of_any_other_shape(name: str, tmp_path: Any) -> None:
         _attach(name, str(tmp_path))
 
 
+@pytest.mark.scenario("shm segment: symlink, mode 0666, no proof", raised="ProtocolError")
 def test_shm_refuses_links_other_modes_and_unproven_segments(tmp_path: Any) -> None:
     d, name = str(tmp_path), "gcshm-999999-abcdefabcdef-0-1"
     target = tmp_path / "elsewhere"
@@ -184,6 +192,7 @@ def test_shm_refuses_links_other_modes_and_unproven_segments(tmp_path: Any) -> N
         real.release()
 
 
+@pytest.mark.scenario("shm link with another secret", raised="ProtocolError")
 def test_shm_with_a_secret_connects_and_refuses_a_different_one() -> None:
     store = HashStore(10)
     ts, errors = gather_ranks(lambda r: shm.create(store, r, 2, timeout=5, secret="k", ring_bytes=8192), 2)
@@ -202,6 +211,7 @@ def test_shm_with_a_secret_connects_and_refuses_a_different_one() -> None:
 # -- control datagrams -----------------------------------------------------------------------
 
 
+@pytest.mark.scenario("forged or replayed control datagram", raised="none (dropped and logged)")
 def test_control_datagrams_need_the_tag(caplog: pytest.LogCaptureFixture) -> None:
     socks = [socket.socket(socket.AF_INET, socket.SOCK_DGRAM) for _ in range(2)]
     for s in socks:

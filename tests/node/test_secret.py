@@ -76,6 +76,7 @@ def _result(p: subprocess.Popen[str]) -> dict[str, Any]:
     return result
 
 
+@pytest.mark.scenario("stranger started as node rank 1, no or another secret", raised="GradcollError, ProtocolError", per_variant=False)
 @pytest.mark.parametrize("stranger", [None, "another secret"])
 def test_node_processes_with_the_secret_reduce_and_a_stranger_as_rank_1_is_refused(stranger: str | None) -> None:
     addr = f"127.0.0.1:{_free_port()}"  # one address: a star, rank 0 hosts the store there

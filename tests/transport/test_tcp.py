@@ -204,6 +204,7 @@ def test_peer_faults(raw, wire: bytes, error: type, words: str) -> None:
         t.recv(1, bytearray(1), timeout=5)
 
 
+@pytest.mark.scenario("tcp header claiming 1 GiB or 1 TiB", raised="ProtocolError", per_variant=False)
 @pytest.mark.parametrize("claimed", [1 << 30, 1 << 40])
 def test_a_header_claiming_a_huge_stray_frame_is_refused_unread(raw, claimed: int) -> None:
     """A lenient receive takes a stray frame in whole only up to ``stray_limit``: the peer's length sizes nothing."""

@@ -150,6 +150,7 @@ EDITS: dict[str, Edit] = {
 }
 
 
+@pytest.mark.scenario("tagged tcp frame flipped, replayed, reordered or cut", raised="ProtocolError", per_variant=False)
 @pytest.mark.parametrize("edit", list(EDITS))
 def test_an_edited_stream_fails_with_a_protocol_error_naming_the_peer(edit: str, mode: str) -> None:
     ts = _world(EDITS[edit])
@@ -184,6 +185,7 @@ def _control(n: int) -> list[ControlChannel]:
             for r in range(n)]
 
 
+@pytest.mark.scenario("payload byte flipped during a tagged allreduce", raised="ProtocolError", per_variant=False)
 @pytest.mark.parametrize("algo, direction", [("ring", "0->1"), ("ring", "1->0"), ("star", "1->0"),
                                              ("recursive_doubling", "0->1")])
 def test_a_flipped_payload_byte_in_an_allreduce_never_gives_a_wrong_result(algo: str, direction: str,
@@ -303,6 +305,7 @@ def test_conformance_over_tls(certs: dict[str, tuple[str, str]], check: str) -> 
                       timeout=30)
 
 
+@pytest.mark.scenario("TLS peer with a certificate of another authority", raised="ProtocolError")
 def test_a_peer_with_the_wrong_certificate_is_refused(certs: dict[str, tuple[str, str]],
                                                        caplog: pytest.LogCaptureFixture) -> None:
     from gradcoll.store import HashStore

@@ -63,6 +63,7 @@ def test_windows_of_a_group_with_a_secret_work_and_hold_every_ranks_proof(tmp_pa
         _close(ts)
 
 
+@pytest.mark.scenario("forged shm window file under the announced name", raised="ProtocolError")
 def test_a_forged_window_file_is_refused_before_anything_is_written(tmp_path: Path) -> None:
     """Rank 1 is told a window name over its (authenticated) link, but the file under it has no proof."""
     ts = _group(2, tmp_path)
@@ -98,6 +99,7 @@ def test_a_forged_window_file_is_refused_before_anything_is_written(tmp_path: Pa
         _close(ts)
 
 
+@pytest.mark.scenario("shm window of a rank with another secret", raised="ProtocolError")
 def test_a_rank_with_another_secret_refuses_rank_0s_window_and_rank_0_names_it(tmp_path: Path) -> None:
     ts = _group(3, tmp_path)
     ts[2].secret = b"another secret"
