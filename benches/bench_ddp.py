@@ -91,7 +91,8 @@ def worker(models: list[str], steps: int, rounds: int, batch: int) -> None:
         x, y = torch.randn(batch, widths[0], generator=gen), torch.randn(batch, widths[-1], generator=gen)
         local = _mlp(widths)
         local_opt = torch.optim.SGD(local.parameters(), lr=1e-3)
-        bufs = _buckets(base, BUCKET_MB)
+        start = _buckets(base, BUCKET_MB)
+        bufs = [b.clone() for b in start]
 
         def step(net, opt) -> float:  # type: ignore[no-untyped-def]
             dist.barrier()
@@ -102,6 +103,8 @@ def worker(models: list[str], steps: int, rounds: int, batch: int) -> None:
             return time.perf_counter() - t0
 
         def sync(group) -> float:  # type: ignore[no-untyped-def]
+            for b, b0 in zip(bufs, start, strict=True):  # the same values every time: repeated sums would overflow
+                b.copy_(b0)
             dist.barrier()
             t0 = time.perf_counter()
             for w in [dist.all_reduce(b, group=group, async_op=True) for b in bufs]:
