@@ -149,3 +149,24 @@ def is_half(buf: Any, op: str) -> bool:
     if not isinstance(buf, np.ndarray) or op not in ("mean", "sum") or buf.dtype.itemsize != 2:
         return False  # the itemsize first: ``dtype.name`` costs microseconds on every call
     return bool(buf.dtype == np.float16 or buf.dtype.name == "bfloat16")
+
+
+#: Dtypes the one-host fast path of ``ProcessGroup.allreduce`` takes as they are (native float32 and float64).
+HOT_DTYPES = frozenset((np.dtype(np.float32), np.dtype(np.float64)))
+
+
+def pinned_staging(cache: dict[tuple[int, str], tuple[Any, Any]], count: int, dtype: np.dtype,
+                   size: int) -> tuple[Any, Any]:
+    """Pinned host buffers for a device allreduce of ``count`` elements on ``size`` ranks, kept in ``cache``.
+
+    Pinned allocations are expensive, so each shape is allocated once and
+    reused; calls of one group run one at a time, so one pair is enough.
+    """
+    key = (count, dtype.str)
+    staged = cache.get(key)
+    if staged is None:
+        from numba import cuda
+
+        staged = (cuda.pinned_array(count, dtype), cuda.pinned_array((size, count), dtype))
+        cache[key] = staged
+    return staged

@@ -19,12 +19,13 @@ from ..algorithms import (
     wake_collective,
 )
 from ..algorithms._common import Workspace, check_op
+from ..algorithms.direct import direct_allreduce
 from ..algorithms.ring import SEGMENT_BYTES
 from ..errors import UsageError
 from ..observe.diagnosis import ControlChannel, Diagnostics
 from ..observe.trace import GroupStats, Recorder
 from ..transport.base import Transport
-from .buffers import as_buffer, is_device_array, is_half, tensor_wire, writable_array
+from .buffers import HOT_DTYPES, as_buffer, is_device_array, is_half, pinned_staging, tensor_wire, writable_array
 from .topology import Topology
 from .work import Executor, Work
 
@@ -59,6 +60,7 @@ class ProcessGroup(Topology):
         self.transport = transport
         self.kernel_backend = kernel_backend
         self._pinned: dict[tuple[int, str], tuple[Any, Any]] = {}
+        self._hot = transport.shared_memory and transport.size > 1  # auto is direct: allreduce's fast path
         self.rank: int = transport.rank
         """This rank's number in the group, 0 .. size - 1."""
         self.size: int = transport.size
@@ -122,6 +124,9 @@ class ProcessGroup(Topology):
         returns the same bits under any algorithm, world layout or arrival
         order (docs/algorithms/deterministic.md).
         """
+        if self._hot and type(buf) is np.ndarray and algorithm == "auto" and not (async_op or wire_dtype or deterministic) \
+                and buf.dtype in HOT_DTYPES and buf.flags.c_contiguous and buf.flags.writeable:
+            return self._direct(buf, op, check_finite, self._timeout(timeout))  # one host: what "auto" picks, less Python
         wire_dtype = tensor_wire(buf, op, wire_dtype)  # torch float16/bfloat16 tensors: accumulated in float32
         if wire_dtype is not None or deterministic or is_half(buf, op):
             return self._precise_allreduce(buf, op, algorithm, check_finite, async_op, timeout, wire_dtype,
@@ -142,6 +147,12 @@ class ProcessGroup(Topology):
             return buf
 
         return self._exec.submit(f"{algo} allreduce", job, async_op, nbytes=work.nbytes)
+
+    def _direct(self, buf: np.ndarray, op: str, check: bool, limit: float) -> Any:
+        t, ws, kb = self.transport, self._ws, self.kernel_backend
+        check_op(op)  # a bad op raises here, not inside the collective (which would poison the group)
+        return self._exec.submit("direct allreduce", lambda seq: direct_allreduce(
+            t, buf, op=op, check_finite=check, seq=seq, timeout=limit, workspace=ws, backend=kb), False, nbytes=buf.nbytes)
 
     def _precise_allreduce(self, buf: Any, op: str, algorithm: str, check_finite: bool, async_op: bool,
                            timeout: float | None, wire: str | None, deterministic: bool) -> Any:
@@ -184,7 +195,7 @@ class ProcessGroup(Topology):
         if dtype not in DEVICE_DTYPES:
             raise UsageError(f"device buffers must be float32 or float64, got {dtype}")
         flat = dev.reshape(dev.size)
-        local, rows = self._staging(dev.size, dtype)
+        local, rows = pinned_staging(self._pinned, dev.size, dtype, self.size)
         limit = self._timeout(timeout)
 
         def job(seq: int) -> Any:
@@ -193,21 +204,6 @@ class ProcessGroup(Topology):
             return buf
 
         return self._exec.submit("device allreduce", job, async_op, nbytes=int(dev.nbytes))
-
-    def _staging(self, count: int, dtype: np.dtype) -> tuple[Any, Any]:
-        """Pinned host buffers for a device allreduce of ``count`` elements, kept per size and dtype.
-
-        Pinned allocations are expensive, so each shape is allocated once and
-        reused; calls of one group run one at a time, so one pair is enough.
-        """
-        key = (count, dtype.str)
-        staged = self._pinned.get(key)
-        if staged is None:
-            from numba import cuda
-
-            staged = (cuda.pinned_array(count, dtype), cuda.pinned_array((self.size, count), dtype))
-            self._pinned[key] = staged
-        return staged
 
     def allreduce_many(self, arrays: Sequence[np.ndarray], op: str = "mean", algorithm: str = "auto",
                        check_finite: bool = True, async_op: bool = False, timeout: float | None = None) -> Any:

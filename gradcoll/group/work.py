@@ -104,7 +104,9 @@ class Executor:
 
     def submit(self, name: str, job: Job, async_op: bool, nseq: int = 1, nbytes: int = 0) -> Any:
         """Run ``job`` with the next sequence number (``nseq`` numbers reserved); its result, or a Work."""
-        with self._lock:
+        lock = self._lock  # acquire/release are the lock's own (C) methods: the fast path's small calls see them
+        lock.acquire()
+        try:
             self.check()
             me = threading.get_ident()
             if (self._queue or self._busy) and self._caller not in (0, me):
@@ -126,16 +128,19 @@ class Executor:
                 if self._worker is None:
                     self._worker = threading.Thread(target=self._serve, name=f"gradcoll-rank{self.rank}", daemon=True)
                     self._worker.start()
-                self._lock.notify_all()
+                lock.notify_all()
+        finally:
+            lock.release()
         if not inline:
             return work if async_op else work.wait()
         try:
             return self._call(name, seq, job, nbytes)  # usability was checked under the lock above
         finally:
-            with self._lock:
-                self._busy = False
-                if self._worker is not None:  # the only thread that waits on the lock
-                    self._lock.notify_all()
+            lock.acquire()
+            self._busy = False
+            if self._worker is not None:  # the only thread that waits on the lock
+                lock.notify_all()
+            lock.release()
 
     def _run(self, name: str, seq: int, job: Job, nbytes: int) -> Any:
         with self._lock:

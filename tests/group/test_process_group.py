@@ -226,3 +226,33 @@ def test_allreduce_many_property(n: int, shapes: list[list[int]]) -> None:
     for out in ok(n, fn):
         assert [a.shape for a in out] == [tuple(s) for s in shapes]
         assert all((a == (n + 1) / 2).all() for a in out)
+
+
+def test_the_one_host_fast_path_gives_what_the_general_path_gives() -> None:
+    """On a transport with a shared window, ``auto`` takes a shorter path for native float32/float64 C-contiguous
+    buffers; every other buffer takes the general one. Both reduce the same bits, count the same seqs and stats."""
+    def fn(g: ProcessGroup) -> list[Any]:
+        out: list[Any] = []
+        rng = np.random.default_rng(g.rank)
+        for dt in (np.float32, np.float64, np.float16):
+            a = rng.standard_normal((7, 9)).astype(dt)
+            b = a.copy()
+            g.allreduce(a, op="mean")                       # float32/float64: the fast path
+            g.allreduce(b, op="mean", algorithm="direct")   # the general path, the same algorithm
+            out.append(np.array_equal(a, b))
+        strided = np.arange(6.0)
+        view = np.zeros(12)[::2]
+        view[:] = strided
+        g.allreduce(view, op="sum")
+        out.append(view.tolist() == (strided * g.size).tolist())
+        readonly = np.ones(3, np.float32)
+        readonly.flags.writeable = False
+        for bad in (np.ones(3, ">f4"), readonly):  # a byte order and a buffer the fast path leaves to the general one
+            with pytest.raises(UsageError):
+                g.allreduce(bad)
+        out.append((g.seq, g.poisoned, g.stats().ops["allreduce"].count))
+        return out
+
+    for res in ok(2, fn):
+        assert res[:4] == [True, True, True, True]
+        assert res[4] == (7, False, 7)
