@@ -156,9 +156,12 @@ def worker_main(argv: Sequence[str] | None = None) -> int:
         scale = float(np.max(np.abs(ref.params)))
         payload = (grad.nbytes + losses.nbytes) * a.steps
         tname = getattr(getattr(group, "transport", None), "name", None)
-        algo = select_allreduce(grad.nbytes, world, tname)  # what "auto" ran for the gradient
+        shared = bool(getattr(getattr(group, "transport", None), "shared_memory", False))
+        algo = select_allreduce(grad.nbytes, world, tname, shared)  # what "auto" ran for the gradient
         sent = {"ring": 2 * (world - 1) / world, "star": world - 1,  # the star: rank 0 sends to every peer
-                "recursive_doubling": (world.bit_length() - 1) + (world & (world - 1) != 0)}[algo] if world > 1 else 0
+                "recursive_doubling": (world.bit_length() - 1) + (world & (world - 1) != 0),
+                "direct": 1.0}.get(algo, 0.0) if world > 1 else 0  # direct: rank 0 copies its buffer into its slot
+        moved = "copied into the shared window" if algo == "direct" else "sent"
         print("summary:")
         print(f"  ranks                 {world} over {getattr(getattr(group, 'transport', None), 'name', '?')}")
         print(f"  steps                 {a.steps} x global batch {a.global_batch}")
@@ -166,7 +169,7 @@ def worker_main(argv: Sequence[str] | None = None) -> int:
         print(f"  max |w - w_single|    {diff:.3e} (weights up to {scale:.2f}; float32 eps {np.finfo(np.float32).eps:.1e})")
         print(f"  max spread over ranks {spread:.3e}")
         print(f"  time in allreduce     {t_comm:.3f} s of {wall:.3f} s ({100 * t_comm / wall:.1f}%)")
-        print(f"  allreduce payload     {payload / 1e6:.2f} MB; gradients by {algo} (auto), rank 0 sent ~{payload * sent / 1e6:.2f} MB")
+        print(f"  allreduce payload     {payload / 1e6:.2f} MB; gradients by {algo} (auto), rank 0 {moved} ~{payload * sent / 1e6:.2f} MB")
         ok = diff <= 1e-4 * max(1.0, scale) and spread == 0.0
         print(f"  result                {'OK: matches the single-process run to float rounding' if ok else 'MISMATCH'}")
         group.close()
