@@ -20,6 +20,7 @@ import inspect
 import multiprocessing
 import os
 import queue
+import re
 import shutil
 import subprocess
 import sys
@@ -98,6 +99,15 @@ def run_mpi(scenario: str, n: int = 2, timeout: float = 60.0) -> subprocess.Comp
     cmd = ["mpirun", "--allow-run-as-root", "--oversubscribe", "-n", str(n), sys.executable, os.path.abspath(__file__), scenario]
     env = dict(os.environ, OMPI_MCA_btl_base_warn_component_unused="0", OMPI_MCA_rmaps_base_oversubscribe="1")
     return subprocess.run(cmd, capture_output=True, text=True, timeout=timeout, env=env)
+
+
+def mpi_reports(out: str, what: str) -> dict[str, list[str]]:
+    """Each rank's ``rank R OK N <what>: names`` report in ``out``, as ``{R: names}``.
+
+    mpirun forwards every rank's stdout through one stream, so one rank's line may run into another's.
+    """
+    found = re.findall(r"rank (\d+) OK \d+ " + re.escape(what) + r": ((?:[a-z_]+ ?)+?)(?=rank \d+ OK|\n|$)", out)
+    return {r: names.split() for r, names in found}
 
 
 def _mpi_main(scenario: str) -> None:

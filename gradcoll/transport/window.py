@@ -46,6 +46,7 @@ import ctypes
 import os
 import platform
 import struct
+import threading
 import time
 from collections.abc import Callable, Sequence
 from typing import Any
@@ -166,6 +167,7 @@ class MappedWindow(Window):
         self._headers, self._slots, self._stride = int(headers), int(slots), int(stride)
         self._probe, self._fd, self._release = probe, fd, release
         self.closed = False
+        self._closing = threading.Lock()
         self.cache = {}
         hdr = self.u8[headers: headers + size * HEADER_BYTES].reshape(size, HEADER_BYTES)
         self._hdr = hdr
@@ -375,9 +377,16 @@ class MappedWindow(Window):
         return self._alive(rank)
 
     def close(self) -> None:
-        """Mark this rank closed (unless it raised an alarm), wake every waiter, release the mapping."""
-        if self.closed:
-            return
+        """Mark this rank closed (unless it raised an alarm), wake every waiter, release the mapping.
+
+        Safe from several threads at once (a watchdog's close racing the owner's): one of them releases.
+        """
+        with self._closing:
+            if self.closed:
+                return
+            self._close()
+
+    def _close(self) -> None:
         if int(self._state[self.rank]) == OPEN:
             self._state[self.rank] = CLOSED
         self._futex[self.rank] += np.uint32(1)

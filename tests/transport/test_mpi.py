@@ -15,7 +15,7 @@ import pytest
 
 from gradcoll.errors import BackendUnavailable
 from gradcoll.transport import mpi
-from tests.helpers import MPI_HINT, mpi_skip_reason, run_mpi
+from tests.helpers import MPI_HINT, mpi_reports, mpi_skip_reason, run_mpi
 
 
 def test_missing_mpi4py_raises_backend_unavailable(monkeypatch) -> None:
@@ -42,16 +42,15 @@ def _mpirun(scenario: str) -> str:
 @pytest.mark.mpi
 def test_mpi_specifics_on_two_ranks() -> None:
     out = _mpirun("specifics")
-    assert sorted(ln for ln in out.splitlines() if "OK" in ln) == ["rank 0 OK specifics", "rank 1 OK specifics"]
+    assert sorted(re.findall(r"rank \d OK specifics", out)) == ["rank 0 OK specifics", "rank 1 OK specifics"], out
 
 
 @pytest.mark.mpi
 def test_mpi_conformance() -> None:
     out = _mpirun("conformance")
-    # mpirun forwards both ranks' stdout through one stream: a line of one rank may run into the other's
-    reports = re.findall(r"rank (\d+) OK \d+ checks: ((?:[a-z_]+ ?)+?)(?=rank \d+ OK|\n|$)", out)
-    assert sorted(r for r, _ in reports) == ["0", "1"], out
-    ran = reports[0][1].split()
+    reports = mpi_reports(out, "checks")
+    assert sorted(reports) == ["0", "1"], out
+    ran = reports["0"]
     assert {"ordering_and_tags", "sendrecv_duplex", "tag_mismatch", "timeouts", "peer_closes",
             "cancel_unstarted_recv", "cancel_finished", "note_wait"} <= set(ran)
 

@@ -15,7 +15,7 @@ import pytest
 from gradcoll import testing
 from gradcoll.testing.window_checks import dead_window_peer, no_window
 from gradcoll.transport import inproc, shm, tcp, window
-from tests.helpers import mpi_skip_reason, run_mpi
+from tests.helpers import mpi_reports, mpi_skip_reason, run_mpi
 
 GROUPS = {
     "shm": lambda n: testing.threaded_group(shm.create, n, timeout=30, ring_bytes=1 << 16),
@@ -79,5 +79,6 @@ def test_mpi_window_checks() -> None:
         pytest.skip(reason)
     proc = run_mpi("window", n=2, timeout=120)
     assert proc.returncode == 0, proc.stdout + proc.stderr
-    lines = [ln for ln in proc.stdout.splitlines() if " OK " in ln]
-    assert len(lines) == 2 and set(testing.WINDOW_CHECKS) <= set(lines[0].split(": ", 1)[1].split()), proc.stdout
+    reports = mpi_reports(proc.stdout, "window checks")
+    assert sorted(reports) == ["0", "1"], proc.stdout
+    assert all(set(testing.WINDOW_CHECKS) <= set(names) for names in reports.values()), proc.stdout
