@@ -47,7 +47,7 @@ from ._guard import guarded_allreduce
 from ._window_plan import BF16, EXACT, FP16, OPS, PLAIN, describe, shape
 from ._window_run import failed, group_window, run, state
 
-__all__ = ["direct_allreduce", "direct_exact", "direct_wire", "alloc", "one_shot_limit", "PIECE_BYTES", "SEG_BYTES"]
+__all__ = ["direct_allreduce", "hot_allreduce", "direct_exact", "direct_wire", "alloc", "one_shot_limit", "PIECE_BYTES", "SEG_BYTES"]
 
 #: One-shot: bytes per piece; two-shot: bytes per chunk per piece (tuned on the 2-core machine).
 PIECE_BYTES = 256 << 10
@@ -85,6 +85,22 @@ def direct_allreduce(transport: Transport, buf: np.ndarray, *, op: str = "mean",
     check_op(op)
     _allreduce(transport, buf, flat, op, check_finite, seq, timeout, backend, PLAIN, mode)
     return buf
+
+
+def hot_allreduce(seq: int, transport: Transport, buf: np.ndarray, op: str, check_finite: bool, timeout: float,
+                  workspace: Workspace | None, backend: str | None) -> np.ndarray:
+    """``direct_allreduce`` of a plain C-contiguous float32/float64 array, positionally (the group's fast path)."""
+    win = transport._group_window  # _hot's steps, one call fewer
+    runner = None if win is None or backend not in (None, "cython") else win.cache.get("window-run")
+    if runner is not None and hasattr(runner, "fast"):
+        started = time.monotonic()
+        how = runner.allreduce(buf, OPS[op], check_finite, seq, timeout, PLAIN)
+        if how is None:
+            return buf
+        if how is not NotImplemented:
+            failed(transport, win, "direct allreduce", seq, timeout, buf, how, started)
+    return direct_allreduce(transport, buf, op=op, check_finite=check_finite, seq=seq, timeout=timeout,
+                            workspace=workspace, backend=backend)
 
 
 def direct_exact(transport: Transport, buf: np.ndarray, *, op: str, check_finite: bool, seq: int,

@@ -18,8 +18,8 @@ from ..algorithms import (
     select_allreduce,
     wake_collective,
 )
-from ..algorithms._common import Workspace, check_op
-from ..algorithms.direct import direct_allreduce
+from ..algorithms._common import OPS, Workspace, check_op
+from ..algorithms.direct import hot_allreduce
 from ..algorithms.ring import SEGMENT_BYTES
 from ..errors import UsageError
 from ..observe.diagnosis import ControlChannel, Diagnostics
@@ -126,7 +126,11 @@ class ProcessGroup(Topology):
         """
         if self._hot and type(buf) is np.ndarray and algorithm == "auto" and not (async_op or wire_dtype or deterministic) \
                 and buf.dtype in HOT_DTYPES and buf.flags.c_contiguous and buf.flags.writeable:
-            return self._direct(buf, op, check_finite, self._timeout(timeout))  # one host: what "auto" picks, less Python
+            # one host: what "auto" picks, in fewer steps; a bad op raises here, not inside the collective
+            # (which would poison the group)
+            return self._exec.inline("direct allreduce", hot_allreduce, (
+                self.transport, buf, op if op in OPS else check_op(op), check_finite,
+                self.timeout if timeout is None else timeout, self._ws, self.kernel_backend), buf.nbytes)
         wire_dtype = tensor_wire(buf, op, wire_dtype)  # torch float16/bfloat16 tensors: accumulated in float32
         if wire_dtype is not None or deterministic or is_half(buf, op):
             return self._precise_allreduce(buf, op, algorithm, check_finite, async_op, timeout, wire_dtype,
@@ -147,12 +151,6 @@ class ProcessGroup(Topology):
             return buf
 
         return self._exec.submit(f"{algo} allreduce", job, async_op, nbytes=work.nbytes)
-
-    def _direct(self, buf: np.ndarray, op: str, check: bool, limit: float) -> Any:
-        t, ws, kb = self.transport, self._ws, self.kernel_backend
-        check_op(op)  # a bad op raises here, not inside the collective (which would poison the group)
-        return self._exec.submit("direct allreduce", lambda seq: direct_allreduce(
-            t, buf, op=op, check_finite=check, seq=seq, timeout=limit, workspace=ws, backend=kb), False, nbytes=buf.nbytes)
 
     def _precise_allreduce(self, buf: Any, op: str, algorithm: str, check_finite: bool, async_op: bool,
                            timeout: float | None, wire: str | None, deterministic: bool) -> Any:

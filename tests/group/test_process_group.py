@@ -256,3 +256,18 @@ def test_the_one_host_fast_path_gives_what_the_general_path_gives() -> None:
     for res in ok(2, fn):
         assert res[:4] == [True, True, True, True]
         assert res[4] == (7, False, 7)
+
+
+def test_a_fast_path_call_behind_a_pending_async_call_runs_after_it() -> None:
+    """The one-host fast path runs a call inline only when nothing is queued: behind an async call it waits its
+    turn (seqs in call order on every rank)."""
+    def fn(g: ProcessGroup) -> tuple[float, float, int]:
+        a = np.full(1000, g.rank + 1.0, np.float32)
+        b = np.full(1000, 10.0 * (g.rank + 1), np.float32)
+        work = g.allreduce(a, op="sum", async_op=True)
+        g.allreduce(b, op="sum")
+        work.wait()
+        return float(a[0]), float(b[0]), g.seq
+
+    for res in ok(2, fn):
+        assert res == (3.0, 30.0, 2)
