@@ -37,6 +37,31 @@ cdef extern from *:
     #include <stdint.h>
     #include <string.h>
     #define GCD_BLOCK 2048
+    #if defined(__SSE2__)
+    #include <emmintrin.h>
+    #endif
+    /* memcpy for the bulk copies into and out of the slots. The C library's memcpy of a large block, on some
+       x86 cores (AMD Zen), runs at a tenth of its speed when the destination sits 16 bytes past a 64-byte
+       boundary while the source is aligned ("rep movsb" with that misalignment) -- exactly where the data of
+       a large NumPy array starts (16 bytes into a page). This loop stores aligned 16-byte words, whatever the
+       two alignments, at memcpy's full speed otherwise. */
+    static void gcd_copy(char* d, const char* s, size_t n) {
+    #if defined(__SSE2__)
+        if (n < 256) { memcpy(d, s, n); return; }
+        size_t head = (16 - ((uintptr_t)d & 15)) & 15, i;
+        memcpy(d, s, head);
+        d += head; s += head; n -= head;
+        for (i = 0; i + 64 <= n; i += 64) {
+            __m128i a = _mm_loadu_si128((const __m128i*)(s + i)), b = _mm_loadu_si128((const __m128i*)(s + i + 16));
+            __m128i c = _mm_loadu_si128((const __m128i*)(s + i + 32)), e = _mm_loadu_si128((const __m128i*)(s + i + 48));
+            _mm_store_si128((__m128i*)(d + i), a); _mm_store_si128((__m128i*)(d + i + 16), b);
+            _mm_store_si128((__m128i*)(d + i + 32), c); _mm_store_si128((__m128i*)(d + i + 48), e);
+        }
+        memcpy(d + i, s + i, n - i);
+    #else
+        memcpy(d, s, n);
+    #endif
+    }
     static const double GCD_MAGIC = 6755399441055744.0;  /* 1.5 * 2**52: (y + M) - M rounds y half to even */
     static inline double gcd_bits(int64_t b) { double d; memcpy(&d, &b, 8); return d; }
 
@@ -181,6 +206,7 @@ cdef extern from *:
     }
     """
     int GCD_BLOCK
+    void gcd_copy(char* d, const char* s, size_t n) nogil
     int gcd_exact_f32(const float* const* xs, int n, int64_t m, float* out, double div, double recip,
                       double limit, int64_t hi, int64_t lo, int64_t bmin) nogil
     int gcd_exact_f64(const double* const* xs, int n, int64_t m, double* out, double div, double recip,
@@ -465,7 +491,7 @@ cdef class Plan:
                         gcd_encode(<float*>(self.buf + a * 4), <uint16_t*>self._data(self.w.me, k, q), b - a,
                                    self.fp16)
                     else:
-                        memcpy(self._data(self.w.me, k, q), self.buf + a * self.item, (b - a) * self.item)
+                        gcd_copy(self._data(self.w.me, k, q), self.buf + a * self.item, (b - a) * self.item)
         if k == 0:
             memcpy(self._desc(self.w.me), self.desc, 64)
         win_publish(&self.w, ARRIVED, self.t0 + (self.npieces if self.region else k + 1))
@@ -503,10 +529,10 @@ cdef class Plan:
             return
         if self.op == OP_BCAST:
             if self.root != self.w.me:
-                memcpy(self.buf + a, self._data(self.root, k, 0), b - a)
+                gcd_copy(self.buf + a, self._data(self.root, k, 0), b - a)
             return
         for r in range(self.w.n):
-            memcpy(self.out + r * self.count + a, self._data(r, k, 0), b - a)
+            gcd_copy(self.out + r * self.count + a, self._data(r, k, 0), b - a)
 
     cdef int _mismatch(self) noexcept nogil:
         cdef int r
@@ -591,7 +617,7 @@ cdef class Plan:
                     if self.variant >= V_BF16 and self.item == 4:
                         gcd_decode(<uint16_t*>res, <float*>(self.buf + a * 4), b - a, self.fp16, self.table)
                     else:
-                        memcpy(self.buf + a * self.item, res, (b - a) * self.item)
+                        gcd_copy(self.buf + a * self.item, res, (b - a) * self.item)
             win_publish(&self.w, DONE, t + 1)
             self.k += 1
         if self.k < self.npieces:
