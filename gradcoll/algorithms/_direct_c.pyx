@@ -12,9 +12,10 @@ piece). A piece of tick ``t`` sits in ring buffer ``t % depth`` of every
 slot; before overwriting one, a rank waits until every rank is done with
 tick ``t - depth``.
 
-Kernels: the sums add the ranks' slots in rank order 0..n-1 (then divide
-once), in 2,048-element blocks with the branch-free finite check of
-``gradcoll.kernels``; ``exact`` is the reduction of
+Kernels: the sums are the n-input fused sum of ``gradcoll.kernels``
+(``_fused.h``: the ranks' slots added in rank order 0..n-1 in registers,
+then divided once, the finite check folded in); max and min go in
+2,048-element blocks with the same branch-free finite check; ``exact`` is the reduction of
 ``gradcoll.kernels.exact_reference`` (same bits as ``exact_reduce``);
 ``bf16``/``fp16`` widen the wire values, sum in float32 and round the
 result to the wire format once (the rules of ``lowp_reference``).
@@ -28,6 +29,13 @@ from gradcoll.transport._window_c cimport (
     H_COUNTERS, H_DESCRIPTORS, H_REPORT, HEADER_BYTES, N_DESCRIPTORS, W_OK, WinC,
     win_fill, win_now, win_publish, win_wait_all,
 )
+
+# The n-input fused sum of gradcoll.kernels (one pass, all inputs summed in registers, AVX2 where the CPU has it).
+cdef extern from "../kernels/_fused.h" nogil:
+    ctypedef Py_ssize_t gc_ssize
+    int gc_reduce_ff(const float* const* xs, gc_ssize n, gc_ssize m, float* out, float f, int mode, int nt)
+    int gc_reduce_dd(const double* const* xs, gc_ssize n, gc_ssize m, double* out, double f, int mode, int nt)
+    int GC_NONE, GC_MUL, GC_DIV
 
 cnp.import_array()
 
@@ -241,6 +249,8 @@ cdef enum:
     S_MORE = 16
     S_MISMATCH = 17
     S_NONFINITE = 18
+    # the counter a rank publishes once its piece with a non-finite result is whole in its slot
+    FILLED = 3
 
 
 cdef inline bint _block_finite(real* p, Py_ssize_t k) noexcept nogil:
@@ -257,35 +267,6 @@ cdef inline bint _block_finite(real* p, Py_ssize_t k) noexcept nogil:
             memcpy(&b64, &p[i], 8)
             m64 |= ((b64 & 0x7ff0000000000000ull) + 0x0010000000000000ull)
         return (m64 & 0x8000000000000000ull) == 0
-
-
-cdef bint _sum(real** xs, int n, Py_ssize_t m, real* out, real divisor, bint dodiv, bint check) noexcept nogil:
-    """Rank-order sum of ``n`` inputs (then one division); False when a result is not finite."""
-    cdef Py_ssize_t lo = 0, hi, i, k
-    cdef int j
-    cdef bint ok = True
-    cdef real* o
-    cdef real* x
-    while lo < m:
-        hi = lo + GCD_BLOCK
-        if hi > m:
-            hi = m
-        k = hi - lo
-        o = out + lo
-        x = xs[0] + lo
-        for i in range(k):
-            o[i] = x[i]
-        for j in range(1, n):
-            x = xs[j] + lo
-            for i in range(k):
-                o[i] = o[i] + x[i]
-        if dodiv:
-            for i in range(k):
-                o[i] = o[i] / divisor
-        if check and not _block_finite(o, k):
-            ok = False
-        lo = hi
-    return ok
 
 
 cdef bint _minmax(real** xs, int n, Py_ssize_t m, real* out, bint is_max, bint check) noexcept nogil:
@@ -336,7 +317,7 @@ cdef class Plan:
     """
 
     cdef WinC w
-    cdef int two, op, variant, f64, check, fp16, dodiv, region, root, scatter, phase
+    cdef int two, op, variant, f64, check, fp16, dodiv, region, root, scatter, phase, own
     cdef Py_ssize_t count, item, witem, piece, seg, depth, ring, rslot, res_off
     cdef Py_ssize_t bounds[MAXN + 1]
     cdef char* rbase
@@ -367,6 +348,9 @@ cdef class Plan:
         self.two, self.op, self.variant, self.f64, self.check = two, op, variant, f64, check
         self.fp16 = variant == V_FP16
         self.root, self.scatter = root, scatter
+        # Two-shot: the share a rank reduces itself is read from its own buffer, never copied into its slot
+        # (no peer reads it there). Not on a wire (the reduction reads wire values) nor for a region (in place).
+        self.own = two and region is None and variant <= V_EXACT and op < OP_GATHER
         self.count, self.item, self.witem, self.piece, self.seg = count, item, witem, piece, seg
         self.depth, self.ring, self.rslot, self.res_off = depth, ring, rslot, res_off
         self.divisor, self.recip, self.limit = divisor, recip, limit
@@ -442,6 +426,8 @@ cdef class Plan:
         if self.region:
             e = self.bounds[q] + k * self.seg if self.two else k * self.piece
             return self.rbase + r * self.rstride + self.roff + e * self.witem
+        if self.own and r == self.w.me and q == r:
+            return self.buf + (self.bounds[q] + k * self.seg) * self.item
         e = q * self.seg if self.two else 0
         return (self.w.base + self.w.slots + r * self.w.stride + ((self.t0 + k) % self.depth) * self.ring
                 + e * self.witem)
@@ -486,7 +472,7 @@ cdef class Plan:
             nq = self.w.n if self.two else 1
             for q in range(nq):
                 self._share(k, q, &a, &b)
-                if b > a:
+                if b > a and not (self.own and q == self.w.me):
                     if self.variant >= V_BF16 and self.item == 4:
                         gcd_encode(<float*>(self.buf + a * 4), <uint16_t*>self._data(self.w.me, k, q), b - a,
                                    self.fp16)
@@ -500,7 +486,7 @@ cdef class Plan:
     cdef bint _reduce(self, Py_ssize_t k, int q, char* out, float* dec, Py_ssize_t m) noexcept nogil:
         """Reduce share ``q`` of piece ``k`` (or piece ``k``) of every rank into ``out``; False if not finite."""
         cdef void* xs[MAXN]
-        cdef int r, n = self.w.n
+        cdef int r, mode, n = self.w.n
         for r in range(n):
             xs[r] = self._data(r, k, q)
         if self.variant >= V_BF16:
@@ -514,10 +500,13 @@ cdef class Plan:
                 r = gcd_exact_f32(<const float* const*>xs, n, m, <float*>out, self.divisor, self.recip,
                                   self.limit, self.hi, self.lo, self.bmin)
             return r == 0 or not self.check
-        if self.op <= OP_SUM:
+        if self.op <= OP_SUM:  # rank order 0..n-1, then the division (a multiply where 1/n is exact: the same bits)
+            mode = GC_NONE if not self.dodiv else (GC_MUL if self.recip > 0 else GC_DIV)
             if self.f64:
-                return _sum[double](<double**>xs, n, m, <double*>out, self.divisor, self.dodiv, self.check)
-            return _sum[float](<float**>xs, n, m, <float*>out, <float>self.divisor, self.dodiv, self.check)
+                return gc_reduce_dd(<const double* const*>xs, n, m, <double*>out,
+                                    self.recip if mode == GC_MUL else self.divisor, mode, 0) != 0 or not self.check
+            return gc_reduce_ff(<const float* const*>xs, n, m, <float*>out,
+                                <float>(self.recip if mode == GC_MUL else self.divisor), mode, 0) != 0 or not self.check
         if self.f64:
             return _minmax[double](<double**>xs, n, m, <double*>out, self.op == OP_MAX, self.check)
         return _minmax[float](<float**>xs, n, m, <float*>out, self.op == OP_MAX, self.check)
@@ -607,6 +596,12 @@ cdef class Plan:
                 memcpy(&mark, self.w.base + self.w.headers + q * HEADER_BYTES + H_REPORT, 8)
                 if mark == t + 1:
                     culprit[0] = q
+                    self._share(k, me, &a, &b)
+                    if self.own and b > a:  # the scan of the error path reads every rank's piece in its slot
+                        gcd_copy(self.w.base + self.w.slots + me * self.w.stride
+                                 + ((self.t0 + k) % self.depth) * self.ring + me * self.seg * self.witem,
+                                 self.buf + a * self.item, (b - a) * self.item)
+                    win_publish(&self.w, FILLED, t + 1)
                     return S_NONFINITE
             for q in range(n):
                 if self.scatter and q != me:

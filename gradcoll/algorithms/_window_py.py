@@ -20,9 +20,9 @@ from ..kernels import lowp_reference
 from ..transport.base import Window, WindowAlarm
 from ._window_plan import BCAST, BF16, EXACT, FP16, GATHER, OPS, Shape
 
-__all__ = ["PyPlan", "ARRIVED", "REDUCED", "DONE", "S_DONE", "S_MORE", "S_MISMATCH", "S_NONFINITE"]
+__all__ = ["PyPlan", "ARRIVED", "REDUCED", "DONE", "FILLED", "S_DONE", "S_MORE", "S_MISMATCH", "S_NONFINITE"]
 
-ARRIVED, REDUCED, DONE = 0, 1, 2
+ARRIVED, REDUCED, DONE, FILLED = 0, 1, 2, 3
 S_DONE, S_MORE, S_MISMATCH, S_NONFINITE = 0, 16, 17, 18
 _MARK = struct.Struct("<Q")
 
@@ -204,6 +204,7 @@ class PyPlan:
             self._wait(REDUCED, t + 1)
             for q in range(n):
                 if _MARK.unpack(w.report(q)[:8].tobytes())[0] == t + 1:
+                    w.publish(FILLED, t + 1)  # the piece is whole in this rank's slot (the compiled engine's cue)
                     return S_NONFINITE, q
             for q in range(n):
                 a, b = s.share(k, q)

@@ -28,7 +28,7 @@ from __future__ import annotations
 
 import importlib
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from typing import Any, NoReturn
 
 import numpy as np
@@ -43,7 +43,7 @@ from ._common import Coll
 from ._handshake import Record, pack, unpack, with_status
 from ._verdict import ALARMS, BROKEN, CLOSED, NONFINITE, OK, PROTOCOL, verdict
 from ._window_plan import BF16, FP16, Engine, Shape, records
-from ._window_py import S_MISMATCH, S_MORE, S_NONFINITE, PyPlan
+from ._window_py import FILLED, S_MISMATCH, S_MORE, S_NONFINITE, PyPlan
 from .tags import ALARM
 
 __all__ = ["run", "group_window", "state", "BATCH_BYTES", "compiled"]
@@ -267,7 +267,15 @@ def _nonfinite(coll: Coll, win: Window, shape: Shape, t0: int, k: int, buf: np.n
     wdt = np.dtype(np.uint16) if fmt else shape.dtype
     shares = range(shape.n) if shape.two else range(1)
     found: tuple[int, int, float] | None = None
-    for r in range(shape.n):
+    ranks: Sequence[int] = range(shape.n)
+    if shape.two and shape.region is None:
+        # A rank keeps the share it reduces in its own buffer: it copies it into its slot (FILLED) for this
+        # scan. A rank that never does (late, gone) is left out; the others' pieces still decide.
+        try:
+            win.wait(ranks, FILLED, t0 + k + 1, min(5.0, max(1.0, coll.timeout or 1.0)))
+        except Exception:  # noqa: BLE001 - see above
+            ranks = [r for r in ranks if win.counter(r, FILLED) >= t0 + k + 1]
+    for r in ranks:
         for q in shares:
             a, _ = shape.share(k, q)
             x = shape.data(win, r, t0, k, q).view(wdt)
