@@ -47,7 +47,7 @@ from ._guard import guarded_allreduce
 from ._window_plan import BF16, EXACT, FP16, OPS, PLAIN, describe, shape
 from ._window_run import failed, group_window, run, state
 
-__all__ = ["direct_allreduce", "hot_allreduce", "direct_exact", "direct_wire", "alloc", "one_shot_limit", "PIECE_BYTES", "SEG_BYTES"]
+__all__ = ["direct_allreduce", "hot_allreduce", "hot_variant", "variant_name", "direct_exact", "direct_wire", "alloc", "one_shot_limit", "PIECE_BYTES", "SEG_BYTES"]
 
 #: One-shot: bytes per piece; two-shot: bytes per chunk per piece (tuned on the 2-core machine).
 PIECE_BYTES = 256 << 10
@@ -87,18 +87,37 @@ def direct_allreduce(transport: Transport, buf: np.ndarray, *, op: str = "mean",
     return buf
 
 
+#: ``hot_allreduce``'s variants: (deterministic, wire_dtype) of a float32 buffer; float64 takes the first two.
+_HOT_VARIANTS = {(False, None): PLAIN, (True, None): EXACT, (False, "bf16"): BF16, (False, "fp16"): FP16}
+
+
+def hot_variant(dtype: np.dtype[Any], op: str, deterministic: bool, wire: str | None) -> int | None:
+    """The window variant ``hot_allreduce`` runs for a native float32/float64 buffer, or None: the general path's."""
+    variant = _HOT_VARIANTS.get((deterministic, wire))
+    if variant is None or (variant != PLAIN and op not in ("mean", "sum")) or (variant >= BF16 and dtype.itemsize != 4):
+        return None
+    return variant
+
+
 def hot_allreduce(seq: int, transport: Transport, buf: np.ndarray, op: str, check_finite: bool, timeout: float,
-                  workspace: Workspace | None, backend: str | None) -> np.ndarray:
-    """``direct_allreduce`` of a plain C-contiguous float32/float64 array, positionally (the group's fast path)."""
+                  workspace: Workspace | None, backend: str | None, variant: int = PLAIN) -> np.ndarray:
+    """The direct allreduce of a plain C-contiguous float32/float64 array (``variant``: ``hot_variant``'s),
+    positionally: the group's one-host fast path, straight into the compiled hot path once it has its engine."""
     win = transport._group_window  # _hot's steps, one call fewer
     runner = None if win is None or backend not in (None, "cython") else win.cache.get("window-run")
     if runner is not None and hasattr(runner, "fast"):
         started = time.monotonic()
-        how = runner.allreduce(buf, OPS[op], check_finite, seq, timeout, PLAIN)
+        how = runner.allreduce(buf, OPS[op], check_finite, seq, timeout, variant)
         if how is None:
             return buf
         if how is not NotImplemented:
-            failed(transport, win, "direct allreduce", seq, timeout, buf, how, started)
+            failed(transport, win, _name(variant), seq, timeout, buf, how, started)
+    if variant == EXACT:
+        return direct_exact(transport, buf, op=op, check_finite=check_finite, seq=seq, timeout=timeout,
+                            backend=backend)
+    if variant != PLAIN:
+        return direct_wire(transport, buf, wire="bf16" if variant == BF16 else "fp16", op=op,
+                           check_finite=check_finite, seq=seq, timeout=timeout, backend=backend)
     return direct_allreduce(transport, buf, op=op, check_finite=check_finite, seq=seq, timeout=timeout,
                             workspace=workspace, backend=backend)
 
@@ -181,6 +200,11 @@ def _allreduce(t: Transport, buf: np.ndarray, flat: np.ndarray, op: str, check: 
             if hasattr(state(t, win), "key") else None
     run(t, win, key, build, flat, None, name=name, seq=seq, timeout=timeout, check=check, backend=backend,
         fast=fast)
+
+
+def variant_name(variant: int) -> str:
+    """The collective's name for a variant (what the group's records and the errors call it)."""
+    return _name(variant)
 
 
 def _name(variant: int) -> str:

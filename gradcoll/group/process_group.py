@@ -19,7 +19,8 @@ from ..algorithms import (
     wake_collective,
 )
 from ..algorithms._common import OPS, Workspace, check_op
-from ..algorithms.direct import hot_allreduce
+from ..algorithms._window_plan import PLAIN
+from ..algorithms.direct import hot_allreduce, hot_variant, variant_name
 from ..algorithms.ring import SEGMENT_BYTES
 from ..errors import UsageError
 from ..observe.diagnosis import ControlChannel, Diagnostics
@@ -124,13 +125,16 @@ class ProcessGroup(Topology):
         returns the same bits under any algorithm, world layout or arrival
         order (docs/algorithms/deterministic.md).
         """
-        if self._hot and type(buf) is np.ndarray and algorithm == "auto" and not (async_op or wire_dtype or deterministic) \
+        if self._hot and type(buf) is np.ndarray and algorithm == "auto" and not async_op \
                 and buf.dtype in HOT_DTYPES and buf.flags.c_contiguous and buf.flags.writeable:
             # one host: what "auto" picks, in fewer steps; a bad op raises here, not inside the collective
             # (which would poison the group)
-            return self._exec.inline("direct allreduce", hot_allreduce, (
-                self.transport, buf, op if op in OPS else check_op(op), check_finite,
-                self.timeout if timeout is None else timeout, self._ws, self.kernel_backend), buf.nbytes)
+            variant = PLAIN if not (wire_dtype or deterministic) else hot_variant(buf.dtype, op, deterministic,
+                                                                                    wire_dtype)
+            if variant is not None:
+                return self._exec.inline(variant_name(variant), hot_allreduce, (
+                    self.transport, buf, op if op in OPS else check_op(op), check_finite,
+                    self.timeout if timeout is None else timeout, self._ws, self.kernel_backend, variant), buf.nbytes)
         wire_dtype = tensor_wire(buf, op, wire_dtype)  # torch float16/bfloat16 tensors: accumulated in float32
         if wire_dtype is not None or deterministic or is_half(buf, op):
             return self._precise_allreduce(buf, op, algorithm, check_finite, async_op, timeout, wire_dtype,

@@ -271,3 +271,33 @@ def test_a_fast_path_call_behind_a_pending_async_call_runs_after_it() -> None:
 
     for res in ok(2, fn):
         assert res == (3.0, 30.0, 2)
+
+
+def test_the_fast_path_takes_the_deterministic_and_wire_variants_with_the_general_paths_bits() -> None:
+    """``deterministic=True`` and ``wire_dtype=`` of a native buffer on one host take the fast path too; the bits,
+    seqs and stats equal those of the general path (``algorithm="direct"``), and what it does not take (another op,
+    a float64 wire) still raises as the general path does."""
+    def fn(g: ProcessGroup) -> list[Any]:
+        out: list[Any] = []
+        rng = np.random.default_rng(10 + g.rank)
+        for dt, kw in ((np.float32, {"deterministic": True}), (np.float64, {"deterministic": True}),
+                       (np.float32, {"wire_dtype": "bf16"}), (np.float32, {"wire_dtype": "fp16"})):
+            for count in (1000, 300_001):
+                a = rng.standard_normal(count).astype(dt)
+                b = a.copy()
+                for _ in range(2):  # the second call of a size runs the compiled hot path
+                    a[:] = b
+                    g.allreduce(a, op="mean", **kw)
+                c = b.copy()
+                g.allreduce(c, op="mean", algorithm="direct", **kw)
+                out.append(a.tobytes() == c.tobytes())
+        with pytest.raises(UsageError):
+            g.allreduce(np.ones(8, np.float32), op="max", deterministic=True)
+        with pytest.raises(UsageError):
+            g.allreduce(np.ones(8, np.float64), wire_dtype="bf16")
+        out.append((g.seq, g.poisoned, g.stats().ops["allreduce"].count))
+        return out
+
+    for res in ok(2, fn, timeout=60):
+        assert res[:-1] == [True] * 8, res
+        assert res[-1] == (24, False, 24)
