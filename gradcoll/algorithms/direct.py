@@ -47,7 +47,8 @@ from ._guard import guarded_allreduce
 from ._window_plan import BF16, EXACT, FP16, OPS, PLAIN, describe, shape
 from ._window_run import failed, group_window, run, state
 
-__all__ = ["direct_allreduce", "hot_allreduce", "hot_variant", "variant_name", "direct_exact", "direct_wire", "alloc", "one_shot_limit", "PIECE_BYTES", "SEG_BYTES"]
+__all__ = ["direct_allreduce", "hot_allreduce", "hot_variant", "variant_name", "direct_exact", "direct_wire", "alloc",
+           "one_shot_limit", "PIECE_BYTES", "SEG_BYTES"]
 
 #: One-shot: bytes per piece; two-shot: bytes per chunk per piece (tuned on the 2-core machine).
 PIECE_BYTES = 256 << 10
