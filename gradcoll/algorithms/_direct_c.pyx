@@ -45,6 +45,13 @@ cdef extern from *:
     #include <stdint.h>
     #include <string.h>
     #define GCD_BLOCK 2048
+    /* The loops below are built twice, for AVX2 and the baseline, the faster picked at load time (as in
+       gradcoll.kernels' _fused.h). */
+    #if defined(__GNUC__) && defined(__x86_64__) && defined(__linux__) && !defined(__clang__)
+    #define GCD_CLONES __attribute__((target_clones("avx2", "default")))
+    #else
+    #define GCD_CLONES
+    #endif
     #if defined(__SSE2__)
     #include <emmintrin.h>
     #endif
@@ -74,7 +81,7 @@ cdef extern from *:
     static inline double gcd_bits(int64_t b) { double d; memcpy(&d, &b, 8); return d; }
 
     /* exact reduction (gradcoll.kernels.exact_reference), float32 contributions */
-    static int gcd_exact_f32(const float* const* xs, int n, int64_t m, float* out, double div, double recip,
+    GCD_CLONES static int gcd_exact_f32(const float* const* xs, int n, int64_t m, float* out, double div, double recip,
                              double limit, int64_t hi, int64_t lo, int64_t bmin) {
         int bad = 0;
         if (n == 2) {
@@ -114,7 +121,7 @@ cdef extern from *:
     }
 
     /* the same for float64 contributions */
-    static int gcd_exact_f64(const double* const* xs, int n, int64_t m, double* out, double div, double recip,
+    GCD_CLONES static int gcd_exact_f64(const double* const* xs, int n, int64_t m, double* out, double div, double recip,
                              double limit, int64_t hi, int64_t lo, int64_t bmin) {
         int bad = 0;
         if (n == 2) {
@@ -154,9 +161,9 @@ cdef extern from *:
     }
 
     /* wire formats (gradcoll.kernels.lowp_reference) */
-    static inline uint16_t gcd_enc_bf16(uint32_t u) {
-        if ((u & 0x7FFFFFFFu) > 0x7F800000u) return (uint16_t)((u >> 16) | 0x0040u);
-        return (uint16_t)((u + 0x7FFFu + ((u >> 16) & 1u)) >> 16);
+    static inline uint16_t gcd_enc_bf16(uint32_t u) {  /* branch-free, so that its loops vectorise */
+        uint32_t r = (u + 0x7FFFu + ((u >> 16) & 1u)) >> 16, q = (u >> 16) | 0x0040u;
+        return (uint16_t)((u & 0x7FFFFFFFu) > 0x7F800000u ? q : r);
     }
     static inline uint16_t gcd_enc_fp16(uint32_t u) {
         uint32_t sign = (u >> 16) & 0x8000u, a = u & 0x7FFFFFFFu;
@@ -179,35 +186,52 @@ cdef extern from *:
         if (fp16) return table[v];
         uint32_t b = ((uint32_t)v) << 16; float x; memcpy(&x, &b, 4); return x;
     }
-    static void gcd_encode(const float* src, uint16_t* dst, int64_t m, int fp16) {
+    GCD_CLONES static void gcd_encode(const float* src, uint16_t* dst, int64_t m, int fp16) {
         const uint32_t* u = (const uint32_t*)src;
         if (fp16) for (int64_t i = 0; i < m; i++) dst[i] = gcd_enc_fp16(u[i]);
         else for (int64_t i = 0; i < m; i++) dst[i] = gcd_enc_bf16(u[i]);
     }
-    static void gcd_decode(const uint16_t* src, float* dst, int64_t m, int fp16, const float* table) {
+    GCD_CLONES static void gcd_decode(const uint16_t* src, float* dst, int64_t m, int fp16, const float* table) {
         if (fp16) for (int64_t i = 0; i < m; i++) dst[i] = table[src[i]];
         else for (int64_t i = 0; i < m; i++) { uint32_t b = ((uint32_t)src[i]) << 16; memcpy(&dst[i], &b, 4); }
     }
     /* sum of n wire inputs in rank order in float32, divided, rounded to the wire into enc (a private block
        when NULL) and widened into dec when not NULL; nonzero when an encoded result is Inf/NaN */
-    static int gcd_wire_reduce(const uint16_t* const* xs, int n, int64_t m, uint16_t* enc, float* dec,
-                               float div, int dodiv, int fp16, const float* table) {
+    GCD_CLONES static int gcd_wire_reduce(const uint16_t* const* xs, int n, int64_t m, uint16_t* enc, float* dec,
+                                          float div, int dodiv, int fp16, const float* table) {
         float acc[GCD_BLOCK];
         uint16_t own[GCD_BLOCK];
         uint32_t flag = 0, emask = fp16 ? 0x7C00u : 0x7F80u, elow = fp16 ? 0x0400u : 0x0080u;
         for (int64_t i0 = 0; i0 < m; i0 += GCD_BLOCK) {
             int64_t w = m - i0 < GCD_BLOCK ? m - i0 : GCD_BLOCK;
-            for (int64_t j = 0; j < w; j++) acc[j] = gcd_dec(xs[0][i0 + j], fp16, table);
-            for (int r = 1; r < n; r++)
-                for (int64_t j = 0; j < w; j++) acc[j] = acc[j] + gcd_dec(xs[r][i0 + j], fp16, table);
+            if (fp16) {
+                for (int64_t j = 0; j < w; j++) acc[j] = table[xs[0][i0 + j]];
+                for (int r = 1; r < n; r++)
+                    for (int64_t j = 0; j < w; j++) acc[j] = acc[j] + table[xs[r][i0 + j]];
+            } else {  /* the bf16 widening is a shift: one loop of vector instructions per input */
+                for (int64_t j = 0; j < w; j++) { uint32_t b = ((uint32_t)xs[0][i0 + j]) << 16; memcpy(&acc[j], &b, 4); }
+                for (int r = 1; r < n; r++)
+                    for (int64_t j = 0; j < w; j++) {
+                        uint32_t b = ((uint32_t)xs[r][i0 + j]) << 16; float x; memcpy(&x, &b, 4);
+                        acc[j] = acc[j] + x;
+                    }
+            }
             if (dodiv) for (int64_t j = 0; j < w; j++) acc[j] = acc[j] / div;
             uint16_t* e = enc != NULL ? enc + i0 : own;
-            for (int64_t j = 0; j < w; j++) {
-                uint32_t u; memcpy(&u, &acc[j], 4);
-                uint16_t v = fp16 ? gcd_enc_fp16(u) : gcd_enc_bf16(u);
-                e[j] = v;
-                flag |= ((uint32_t)v & emask) + elow;
-            }
+            if (fp16)
+                for (int64_t j = 0; j < w; j++) {
+                    uint32_t u; memcpy(&u, &acc[j], 4);
+                    uint16_t v = gcd_enc_fp16(u);
+                    e[j] = v;
+                    flag |= ((uint32_t)v & emask) + elow;
+                }
+            else
+                for (int64_t j = 0; j < w; j++) {
+                    uint32_t u; memcpy(&u, &acc[j], 4);
+                    uint16_t v = gcd_enc_bf16(u);
+                    e[j] = v;
+                    flag |= ((uint32_t)v & emask) + elow;
+                }
             if (dec != NULL) gcd_decode(e, dec + i0, w, fp16, table);
         }
         return (flag & 0x8000u) != 0;
