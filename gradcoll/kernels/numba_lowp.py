@@ -27,7 +27,7 @@ unchecked encode pays for it.
 Each thread takes a contiguous run of ``BLOCK`` elements per iteration, with
 unsigned indices: a flat ``prange`` over the elements, with signed indices
 (a negative-index fix-up on every access) and a reduction variable, ran
-1.5-2x slower at 1e6 elements (measured, docs/kernels.md).
+1.4-1.6x slower at 1e6 elements (measured, docs/kernels.md).
 """
 
 from __future__ import annotations

@@ -35,11 +35,11 @@ the lowest per-call cost (no JIT dispatch), so they win up to ``SMALL_ELEMS``
 output elements; above it the threaded Numba kernels do, both cores working
 (measured on the 2-core CI machine, docs/performance.md). The bf16 kernels
 follow the same rule: above ``SMALL_ELEMS`` the threaded Numba encode (no
-NaN select when checking) and accumulate ran 1.5-1.9x the serial compiled
-ones at 1e6 elements and 1.3-1.5x at 1e7. The fp16 wire format is the
+NaN select when checking) and accumulate ran 1.5-1.8x as fast as the serial
+compiled ones at 1e6 and 1e7 elements. The fp16 wire format is the
 exception: the compiled kernels convert 8 values per instruction (F16C),
 while Numba converts one at a time (a branch-free select of three ranges to
-encode, a table lookup to widen), and serial they ran 1.0-4.6x faster than
+encode, a table lookup to widen), and serial they ran 1.1-4.7x as fast as
 the threaded Numba ones at 1e6 and 1e7 elements, so the automatic choice
 keeps them at every size (``half=True``: the facade passes it for an fp16
 wire). A process group
