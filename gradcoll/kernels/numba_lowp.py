@@ -50,10 +50,15 @@ BF16_TOO_BIG = 0x7F7F8000
 
 
 @njit(cache=True, fastmath=False, inline="always")
+def _round_bf16(u):
+    """Round to nearest even on the bits, every input taken as a number (a NaN may carry into the sign)."""
+    return (u + np.uint32(0x7FFF) + ((u >> np.uint32(16)) & np.uint32(1))) >> np.uint32(16)
+
+
+@njit(cache=True, fastmath=False, inline="always")
 def _enc_bf16(u):
-    r = (u + np.uint32(0x7FFF) + ((u >> np.uint32(16)) & np.uint32(1))) >> np.uint32(16)
     q = (u >> np.uint32(16)) | np.uint32(0x0040)  # NaN: keep sign and top payload, quiet it
-    return np.uint32(q if (u & np.uint32(0x7FFFFFFF)) > np.uint32(0x7F800000) else r)
+    return np.uint32(q if (u & np.uint32(0x7FFFFFFF)) > np.uint32(0x7F800000) else _round_bf16(u))
 
 
 @njit(cache=True, fastmath=False, inline="always")
@@ -98,7 +103,7 @@ def _encode_bf16_checked(u, w):
         flag = False
         for i in range(lo, hi):
             x = u[i]
-            w[i] = np.uint16((x + np.uint32(0x7FFF) + ((x >> np.uint32(16)) & np.uint32(1))) >> np.uint32(16))
+            w[i] = np.uint16(_round_bf16(x))
             flag |= (x & np.uint32(0x7FFFFFFF)) >= np.uint32(BF16_TOO_BIG)
         bad += flag
     return bad
