@@ -35,8 +35,8 @@ from __future__ import annotations
 import numpy as np
 from numba import njit, prange
 
+from ._twins import twins as _two
 from .lowp_reference import fp16_table
-from .numba_cpu import _two
 from .reference import DIV, MUL, NONE, finish
 
 NAME = "numba"
