@@ -2,7 +2,7 @@
 
 Kernels are plain ``@njit`` functions compiled lazily on first use (or by
 ``warmup``) and cached on disk (``cache=True``). Each body is written once and
-compiled twice, serial and ``parallel=True``: ``prange`` is ``range`` in the
+compiled twice (``_twins``: each cached apart), serial and ``parallel=True``: ``prange`` is ``range`` in the
 serial one, and Numba splits the range into one contiguous piece per thread,
 so the additions for any element are the same whatever the thread count.
 
