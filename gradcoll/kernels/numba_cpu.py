@@ -137,9 +137,17 @@ def scale_parallel(buf, factor):
         buf[i] = buf[i] * f
 
 
+_BIG: dict[np.dtype, Any] = {}
+
+
 def _big(dtype: np.dtype) -> Any:
-    """The largest finite value of ``dtype``: ``abs(s) <= big`` is False exactly for NaN and the infinities."""
-    return dtype.type(np.finfo(dtype).max)
+    """The largest finite value of ``dtype``: ``abs(s) <= big`` is False exactly for NaN and the infinities.
+
+    Remembered per dtype: ``np.finfo`` costs about 0.7 us a call, as much as the kernel on 1,000 elements."""
+    big = _BIG.get(dtype)
+    if big is None:
+        big = _BIG[dtype] = dtype.type(np.finfo(dtype).max)
+    return big
 
 
 def _tuples(rows: Sequence[np.ndarray]) -> list[tuple[np.ndarray, ...]]:
