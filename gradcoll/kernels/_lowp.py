@@ -58,7 +58,7 @@ def encode_wire(src: Any, dst: Any = None, wire: str = "bf16", *, check_finite: 
     """
     fast = fast_path("lowp", backend)
     if fast is not None:  # plain arrays: validated and encoded in one C call
-        res = fast[0](src, dst, wire, check_finite, fast[2])
+        res = fast[0](src, dst, wire, check_finite, fast[2] if wire == "bf16" else fast[3])
         if res is not None and res is not False:
             return res
     _check_wire(wire)
@@ -69,7 +69,7 @@ def encode_wire(src: Any, dst: Any = None, wire: str = "bf16", *, check_finite: 
     a, w = _arrays(src, dst, "encode_wire")
     if not w.flags.writeable:
         raise UsageError("encode_wire: dst must be writeable")
-    if not resolve("lowp", a.size, backend=backend).lowp_encode(a, w, wire, check_finite):
+    if not resolve("lowp", a.size, backend=backend, half=wire == "fp16").lowp_encode(a, w, wire, check_finite):
         lowp_reference.raise_nonfinite(a, w, wire, "encode_wire")
     return dst
 
@@ -82,7 +82,7 @@ def decode_wire(src: Any, dst: Any = None, wire: str = "bf16", *, backend: str |
     if dst is None:
         dst = np.empty(np.shape(src), np.float32)
     a, w = _arrays(dst, src, "decode_wire")
-    resolve("lowp", a.size, backend=backend).lowp_decode(w, a, wire)
+    resolve("lowp", a.size, backend=backend, half=wire == "fp16").lowp_decode(w, a, wire)
     return dst
 
 
@@ -91,7 +91,7 @@ def accumulate_wire(acc: Any, x: Any, wire: str, *, divide_by: float | None = No
     """Fused ``acc += decode(x)`` in float32, then ``acc /= divide_by``, with the finite check; returns ``acc``."""
     fast = fast_path("lowp", backend)
     if fast is not None:
-        res = fast[1](acc, x, wire, divide_by, check_finite, fast[2])
+        res = fast[1](acc, x, wire, divide_by, check_finite, fast[2] if wire == "bf16" else fast[3])
         if res is True:
             return acc
         if res is False:  # acc already holds the sum: explain, do not add again
@@ -107,7 +107,7 @@ def accumulate_wire(acc: Any, x: Any, wire: str, *, divide_by: float | None = No
     a, w = _arrays(acc, x, "accumulate_wire")
     if not a.flags.writeable:
         raise UsageError("accumulate_wire: acc must be writeable")
-    if not resolve("lowp", a.size, backend=backend).lowp_accumulate(a, w, wire, divide_by, check_finite):
+    if not resolve("lowp", a.size, backend=backend, half=wire == "fp16").lowp_accumulate(a, w, wire, divide_by, check_finite):
         _raise_accumulate(a, w, wire)
     return acc
 

@@ -2,7 +2,7 @@
 
 Kernels are plain ``@njit`` functions compiled lazily on first use (or by
 ``warmup``) and cached on disk (``cache=True``). Each body is written once and
-compiled twice, serial and ``parallel=True``: ``prange`` is ``range`` in the
+compiled twice (``_twins``: each cached apart), serial and ``parallel=True``: ``prange`` is ``range`` in the
 serial one, and Numba splits the range into one contiguous piece per thread,
 so the additions for any element are the same whatever the thread count.
 
@@ -33,6 +33,7 @@ import numpy as np
 from numba import njit, prange
 
 from . import reference
+from ._twins import twins as _two
 from .reference import DIV, MUL, NONE, finish
 
 NAME = "numba"
@@ -122,11 +123,6 @@ def _count_nonfinite(buf, big):
     return bad
 
 
-def _two(body):  # the serial and the threaded compilation of one body
-    return (njit(cache=True, fastmath=False, nogil=True)(body),
-            njit(cache=True, fastmath=False, nogil=True, parallel=True)(body))
-
-
 sum_serial, sum_parallel = _two(_sum)
 sum_into_serial, sum_into_parallel = _two(_sum_into)
 accumulate_serial, accumulate_parallel = _two(_accumulate)
@@ -141,9 +137,17 @@ def scale_parallel(buf, factor):
         buf[i] = buf[i] * f
 
 
+_BIG: dict[np.dtype, Any] = {}
+
+
 def _big(dtype: np.dtype) -> Any:
-    """The largest finite value of ``dtype``: ``abs(s) <= big`` is False exactly for NaN and the infinities."""
-    return dtype.type(np.finfo(dtype).max)
+    """The largest finite value of ``dtype``: ``abs(s) <= big`` is False exactly for NaN and the infinities.
+
+    Remembered per dtype: ``np.finfo`` costs about 0.7 us a call, as much as the kernel on 1,000 elements."""
+    big = _BIG.get(dtype)
+    if big is None:
+        big = _BIG[dtype] = dtype.type(np.finfo(dtype).max)
+    return big
 
 
 def _tuples(rows: Sequence[np.ndarray]) -> list[tuple[np.ndarray, ...]]:

@@ -21,7 +21,8 @@ first that implements the kind on this machine runs (a single name that does not
 |---|---|---|---|---|---|---|
 | reduce, accumulate, finite, scale | cython, numba, numpy | numba, cython, numpy | cython | numba | numpy | that one |
 | the same on float16 (not reduce) | numpy | numpy | numpy | numpy | numpy | numpy |
-| lowp | cython, numba, numpy | cython, numba, numpy | cython, numba, numpy | numba, numpy | numpy | that one |
+| lowp (bf16 wire) | cython, numba, numpy | numba, cython, numpy | cython, numba, numpy | numba, numpy | numpy | that one |
+| lowp, fp16 wire | cython, numba, numpy | cython, numba, numpy | cython, numba, numpy | numba, numpy | numpy | that one |
 | exact | numba, numpy | numba, numpy | numba, numpy | numba, numpy | numpy | numba, numpy |
 
 Device arrays go to ``cuda``, else ``cudasim`` (``GRADCOLL_KERNELS`` naming a
@@ -32,11 +33,16 @@ picks one, and a host backend named in ``backend=`` is a
 Why: the Cython kernels (serial, the same one-pass loops as Numba's) have
 the lowest per-call cost (no JIT dispatch), so they win up to ``SMALL_ELEMS``
 output elements; above it the threaded Numba kernels do, both cores working
-(measured on the 2-core CI machine, docs/performance.md). The low-precision
-kernels are the exception: the compiled ones convert 8 or 16 values per
-instruction (F16C, AVX2) and, serial, ran 1.2-17x faster than the threaded
-Numba ones at 1e6 and 1e7 elements, so the automatic choice takes them at
-every size. A process group
+(measured on the 2-core CI machine, docs/performance.md). The bf16 kernels
+follow the same rule: above ``SMALL_ELEMS`` the threaded Numba encode (no
+NaN select when checking) and accumulate ran 1.5-1.8x as fast as the serial
+compiled ones at 1e6 and 1e7 elements. The fp16 wire format is the
+exception: the compiled kernels convert 8 values per instruction (F16C),
+while Numba converts one at a time (a branch-free select of three ranges to
+encode, a table lookup to widen), and serial they ran 1.1-4.7x as fast as
+the threaded Numba ones at 1e6 and 1e7 elements, so the automatic choice
+keeps them at every size (``half=True``: the facade passes it for an fp16
+wire). A process group
 names ``cython`` (its ``kernel_backend``): every rank is a process on its
 own core, and threads would only compete for them. The compiled kernels
 take float32 and float64 only, so half buffers go to NumPy (``mean_reduce``
@@ -122,13 +128,15 @@ POLICY: dict[str, dict[str | None, Chains]] = {
     "accumulate": _ELEMENTWISE,
     "finite": _ELEMENTWISE,
     "scale": _ELEMENTWISE,
-    "lowp": {None: _both("cython", "numba", "numpy"), "cython": _both("cython", "numba", "numpy"), "numba": _TO_NUMBA,
+    "lowp": {None: (("cython", "numba", "numpy"), ("numba", "cython", "numpy")), "cython": _both("cython", "numba", "numpy"), "numba": _TO_NUMBA,
              "numpy": _both("numpy"), "cuda": _both("cuda"), "cudasim": _both("cudasim")},
     "exact": {None: _TO_NUMBA, "cython": _TO_NUMBA, "numba": _TO_NUMBA, "numpy": _both("numpy"),
               "cuda": _TO_NUMBA, "cudasim": _TO_NUMBA},
 }
 #: Float16 host buffers of these kinds, whatever was asked for: the compiled kernels take float32/float64.
 HALF: dict[str, tuple[str, ...]] = {"accumulate": ("numpy",), "finite": ("numpy",), "scale": ("numpy",)}
+#: The fp16 wire format of ``lowp`` (``half=True``), by request: the compiled F16C kernels at every size.
+FP16_WIRE: dict[str | None, Chains] = {None: _both("cython", "numba", "numpy")}
 #: Device arrays: request -> the backends to try.
 DEVICE: dict[str | None, tuple[str, ...]] = {None: ("cuda", "cudasim"), "cuda": ("cuda",), "cudasim": ("cudasim",)}
 
@@ -219,6 +227,8 @@ def candidates(kind: str, name: str | None, nelems: int = 0, *, device: bool = F
         return DEVICE[name]
     if half and kind in HALF:
         return HALF[kind]
+    if half and kind == "lowp" and name in FP16_WIRE:
+        return FP16_WIRE[name][nelems > SMALL_ELEMS]
     return POLICY[kind][name][nelems > SMALL_ELEMS]
 
 
@@ -229,7 +239,7 @@ def resolve(kind: str, nelems: int = 0, *, device: bool = False, backend: Any = 
     """The implementation of ``kind`` for a call on ``nelems`` output elements: a module, or ``backend`` itself.
 
     ``backend``: a name, an object (returned as is once it has the kind's methods), or None (GRADCOLL_KERNELS,
-    then automatic). ``half``: the buffer is float16. Resolutions are remembered (a backend's availability does
+    then automatic). ``half``: the buffer is float16 (for ``lowp``: the wire format is fp16). Resolutions are remembered (a backend's availability does
     not change in a process), so a call costs a dictionary lookup.
     """
     if backend is not None and not isinstance(backend, str):
@@ -269,7 +279,7 @@ def fast_path(kind: str, backend: Any = None) -> FastEntry:
     """The extension's validating entries for ``kind`` and the most elements they may take, or None.
 
     ``(reduce_fast, limit)``, ``(accumulate_fast, limit)``, ``(lowp_encode_fast, lowp_accumulate_fast,
-    limit)``. There are some where ``POLICY`` picks ``cython`` for this request and the extension is built: up to
+    bf16 limit, fp16 limit)``. There are some where ``POLICY`` picks ``cython`` for this request and the extension is built: up to
     ``SMALL_ELEMS`` for the automatic choice, any size when ``cython`` is named. The entry returns None for a
     call it does not take, which then goes through ``resolve``. On every small call: two dictionary lookups.
     """
@@ -296,11 +306,17 @@ def _fast_entry(kind: str, backend: str | None) -> FastEntry:
     if chains is None or ext is None or isinstance(_load("cython", _FAMILY[kind]), BaseException):
         return None
     fns = tuple(getattr(ext, name) for name in _FAST[kind])
-    if chains[1][0] == "cython":
-        return (*fns, _NO_LIMIT)
-    if chains[0][0] == "cython":
-        return (*fns, SMALL_ELEMS)
-    return None
+    limits = [_limit(chains)]
+    if kind == "lowp":  # a second limit for the fp16 wire format
+        limits.append(_limit(FP16_WIRE.get(backend, chains)))
+    if limits[0] == 0:
+        return None
+    return (*fns, *limits)
+
+
+def _limit(chains: Chains) -> int:
+    """The most elements the fast path may take where ``chains`` is the policy: as far as it picks ``cython``."""
+    return _NO_LIMIT if chains[1][0] == "cython" else SMALL_ELEMS if chains[0][0] == "cython" else 0
 
 
 def choose_backend(nelems: int, *, device: bool = False, backend: Any = None) -> Any:

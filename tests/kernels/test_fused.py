@@ -192,3 +192,98 @@ def test_wire_fast_path_errors_are_explained(backend: str) -> None:
     assert ei.value.index == 1
     with pytest.raises(ValueError, match="wire must be one of"):
         K.encode_wire(np.ones(3, np.float32), wire="int8", backend=backend)
+
+
+#: float32 bit patterns at the edges of the wire formats: the last values that round to a finite bf16/fp16 and
+#: the first that round to Inf, both infinities, NaNs with every kind of payload (signalling, quiet, all ones),
+#: both zeros, the smallest and largest subnormals and the fp16 subnormal boundaries.
+EDGES = np.array([
+    0x7F7F7FFF, 0x7F7F8000, 0x7F7F8001, 0x7F7FFFFF, 0x7F800000, 0x7F800001, 0x7F808000, 0x7FBFFFFF, 0x7FC00000,
+    0x7FC00001, 0x7FFF0000, 0x7FFFFFFF, 0x477FEFFF, 0x477FF000, 0x477FF001, 0x47800000, 0x387FFFFF, 0x38800000,
+    0x33000000, 0x33000001, 0x33800000, 0x00000000, 0x00000001, 0x00008000, 0x00017FFF, 0x00018000, 0x007FFFFF,
+    0x3F808000, 0x3F818000, 0x3F800001,
+], np.uint32)
+EDGES = np.concatenate([EDGES, EDGES | np.uint32(0x80000000)])
+
+
+def _edge_inputs(m: int, rng: np.random.Generator, finite_only: bool) -> np.ndarray:
+    """``m`` random normal float32 values with the edge patterns planted across the blocks (or only those
+    edges whose encoding is finite in both formats)."""
+    x = rng.standard_normal(m).astype(np.float32)
+    edges = EDGES
+    if finite_only:
+        mag = edges & np.uint32(0x7FFFFFFF)
+        edges = edges[mag < np.uint32(0x477FF000)]
+    where = rng.choice(m, size=min(m, edges.size), replace=False)
+    x.view(np.uint32)[where] = edges[: where.size]
+    return x
+
+
+@pytest.mark.parametrize("backend", WIRE_BACKENDS)
+@pytest.mark.parametrize("wire", ["bf16", "fp16"])
+def test_wire_encode_edges_both_check_modes_and_thread_counts(backend: str, wire: str) -> None:
+    """The checked bf16 encode rounds without the NaN select and tests the input (one compare); the unchecked
+    one keeps the select. Both give the oracle's bits, serial and threaded, on 1 and 2 threads; a checked
+    call that fails names the oracle's first bad element and leaves the oracle's bits in ``dst``."""
+    rng = np.random.default_rng(16)
+    try:
+        for t in range(1, numba.config.NUMBA_NUM_THREADS + 1):
+            numba.set_num_threads(t)
+            for m in (EDGES.size, 70_001, 300_007):  # serial, threaded and (auto) above SMALL_ELEMS
+                for finite_only in (False, True):
+                    x = _edge_inputs(m, rng, finite_only)
+                    want = np.empty(m, np.uint16)
+                    ok = R.encode(x, want, wire, True)
+                    got = K.encode_wire(x, wire=wire, check_finite=False, backend=backend)
+                    assert got.tobytes() == want.tobytes(), (t, m, finite_only, "unchecked")
+                    dst = np.zeros(m, np.uint16)
+                    if ok:
+                        K.encode_wire(x, dst, wire=wire, backend=backend)
+                    else:
+                        first = int(np.flatnonzero((want & R.WIRES[wire]) == R.WIRES[wire])[0])
+                        with pytest.raises(gradcoll.NonFiniteError) as ei:
+                            K.encode_wire(x, dst, wire=wire, backend=backend)
+                        assert ei.value.index == first, (t, m)
+                    assert dst.tobytes() == want.tobytes(), (t, m, finite_only, "checked")
+                    assert ok == finite_only or wire == "fp16"  # fp16 also overflows on some of the finite edges
+    finally:
+        numba.set_num_threads(numba.config.NUMBA_NUM_THREADS)
+
+
+@pytest.mark.parametrize("backend", WIRE_BACKENDS)
+@pytest.mark.parametrize("wire", ["bf16", "fp16"])
+def test_wire_accumulate_edges_every_divisor_and_thread_count(backend: str, wire: str) -> None:
+    """acc += decode(w) (then / d) over every 16-bit pattern, with accumulators at the float32 edges: overflow to
+    Inf, -0.0 + -0.0, subnormal sums, NaN accumulators; the oracle's bits unchecked, serial and threaded, on 1
+    and 2 threads; a checked call with Inf/NaN on the wire fails."""
+    rng = np.random.default_rng(17)
+    every = np.arange(1 << 16, dtype=np.uint32).astype(np.uint16)
+    w = np.concatenate([every, every[rng.permutation(every.size)], every[:4_000]])  # above SMALL_ELEMS: 135,072
+    w = np.concatenate([w, w])
+    m = w.size
+    a0 = rng.standard_normal(m).astype(np.float32)
+    a0.view(np.uint32)[rng.choice(m, size=EDGES.size * 50, replace=False)] = np.tile(EDGES, 50)
+    wire_bad = (w & R.WIRES[wire]) == R.WIRES[wire]
+    # NaN + NaN: which payload the sum keeps is the compiler's choice (it may swap the operands), not pinned
+    a0[wire_bad & np.isnan(a0)] = 1.0
+    finite_w = w.copy()
+    finite_w[wire_bad] = 0x8000  # -0.0: no Inf/NaN on the wire
+    try:
+        for t in range(1, numba.config.NUMBA_NUM_THREADS + 1):
+            numba.set_num_threads(t)
+            for size in (m, 70_001, 1_001):
+                for d in (None, 2, 3):
+                    want, got = a0[:size].copy(), a0[:size].copy()
+                    R.accumulate(want, w[:size], wire, d, False)
+                    K.accumulate_wire(got, w[:size], wire, divide_by=d, check_finite=False, backend=backend)
+                    assert got.tobytes() == want.tobytes(), (t, size, d)
+                    clean = np.abs(a0[:size]) < 1e30  # finite accumulators far from overflow
+                    acc0 = np.where(clean, a0[:size], np.float32(-0.0)).astype(np.float32)
+                    want, got = acc0.copy(), acc0.copy()
+                    assert R.accumulate(want, finite_w[:size], wire, d, True)
+                    K.accumulate_wire(got, finite_w[:size], wire, divide_by=d, backend=backend)
+                    assert got.tobytes() == want.tobytes(), (t, size, d, "checked")
+                    with pytest.raises(gradcoll.NonFiniteError):
+                        K.accumulate_wire(a0[:size].copy(), w[:size], wire, divide_by=d, backend=backend)
+    finally:
+        numba.set_num_threads(numba.config.NUMBA_NUM_THREADS)

@@ -318,6 +318,34 @@ def test_no_fastmath_in_finite_checking_kernels():
     assert seen >= 10
 
 
+def test_serial_and_threaded_compilations_are_cached_apart(tmp_path) -> None:
+    """Numba's disk cache files an entry by function name and signature, not by options: a threaded kernel
+    compiled from the same function as its serial twin would load the serial machine code (one thread) in every
+    later process. Here a fresh cache holds the serial compile first; the threaded kernel must still compile
+    its own (a cache miss), and load that one next time (a hit)."""
+    from numba.core.registry import CPUDispatcher
+
+    from gradcoll.kernels import numba_cpu, numba_lowp
+
+    pairs = 0
+    for mod in (numba_cpu, numba_lowp):
+        for name, fn in vars(mod).items():
+            twin = getattr(mod, name.replace("_serial", "_parallel"), None)
+            if name.endswith("_serial") and isinstance(fn, CPUDispatcher) and isinstance(twin, CPUDispatcher):
+                assert fn.targetoptions.get("parallel") is not True and twin.targetoptions.get("parallel") is True
+                assert fn.__wrapped__.__qualname__ != twin.__wrapped__.__qualname__, f"{mod.__name__}.{name}"
+                pairs += 1
+    assert pairs >= 7
+    env = {"NUMBA_CACHE_DIR": str(tmp_path)}
+    setup = "import numpy as np\nfrom gradcoll.kernels import numba_cpu as N\n" \
+            "a, x, one, big = np.ones(64, np.float32), np.ones(64, np.float32), np.float32(1), np.float32(3e38)\n"
+    _run(setup + "N.accumulate_serial(a, x, one, 0, one, False, big)", env)
+    par = setup + "N.accumulate_parallel(a, x, one, 0, one, False, big)\n" \
+                  "st = N.accumulate_parallel.stats\nprint(len(st.cache_hits), len(st.cache_misses))"
+    assert _run(par, env) == "0 1"  # the serial entry was not taken
+    assert _run(par, env) == "1 0"  # its own entry
+
+
 def test_reference_locates_first_element_then_contributor():
     rows = [np.array([0.0, 1.0, np.nan]), np.array([0.0, np.inf, 0.0])]
     assert reference.locate_nonfinite(rows) == (1, 1, np.inf)

@@ -28,8 +28,13 @@ def _documented() -> dict[tuple[str, str | None, bool, bool], tuple[str, ...]]:
     out: dict[tuple[str, str | None, bool, bool], tuple[str, ...]] = {}
     for line in lines[1:]:
         cells = [c.strip() for c in line.strip("|").split("|")]
-        kinds, half = cells[0], "float16" in cells[0]
-        kind_names = ("accumulate", "finite", "scale") if half else tuple(k.strip() for k in kinds.split(","))
+        kinds, half = cells[0], "float16" in cells[0] or "fp16 wire" in cells[0]
+        if "fp16 wire" in kinds:  # lowp on the fp16 wire format: resolve(..., half=True)
+            kind_names: tuple[str, ...] = ("lowp",)
+        elif half:
+            kind_names = ("accumulate", "finite", "scale")
+        else:
+            kind_names = tuple(k.split("(")[0].strip() for k in kinds.split(","))
         for kind in kind_names:
             for (request, large), cell in zip([(None, False), (None, True), ("cython", None), ("numba", None),
                                                ("numpy", None), ("cuda", None)], cells[1:], strict=True):
@@ -51,6 +56,9 @@ def test_the_docstring_table_covers_every_kind_and_request() -> None:
             for large in (False, True):
                 assert (kind, req, large, False) in DOCUMENTED, (kind, req, large)
     assert ("finite", "numba", True, True) in DOCUMENTED
+    for req in REQUESTS:
+        for large in (False, True):
+            assert ("lowp", req, large, True) in DOCUMENTED, (req, large)
 
 
 def test_every_kind_request_and_size_picks_the_documented_implementation(monkeypatch: pytest.MonkeyPatch) -> None:
@@ -88,7 +96,8 @@ def test_what_this_machine_runs() -> None:
     assert resolve("reduce", SMALL) is cython_backend and resolve("reduce", LARGE) is numba_cpu
     assert resolve("finite", SMALL) is cython_backend and resolve("scale", LARGE) is numba_cpu
     assert resolve("accumulate", LARGE, half=True) is numpy_backend
-    assert resolve("lowp", SMALL) is cython_lowp and resolve("lowp", LARGE) is cython_lowp
+    assert resolve("lowp", SMALL) is cython_lowp and resolve("lowp", LARGE) is numba_lowp  # bf16: threads when large
+    assert resolve("lowp", SMALL, half=True) is cython_lowp and resolve("lowp", LARGE, half=True) is cython_lowp  # fp16
     assert resolve("lowp", LARGE, backend="cython") is cython_lowp and resolve("lowp", LARGE, backend="numba") is numba_lowp
     assert resolve("lowp", SMALL, backend="numpy") is lowp_reference
     assert resolve("exact", SMALL) is numba_exact and resolve("exact", SMALL, backend="cython") is numba_exact
@@ -144,8 +153,10 @@ def test_fast_path_follows_the_table(monkeypatch: pytest.MonkeyPatch) -> None:
     for other in ("numba", "numpy", "cudasim"):
         assert fast_path("reduce", other) is None
     assert fast_path("finite") is None
-    lowp = fast_path("lowp")
-    assert lowp is not None and len(lowp) == 3 and lowp[2] > 1 << 40  # encode, accumulate, limit: every size
+    lowp = fast_path("lowp")  # encode, accumulate, bf16 limit (then threads), fp16 limit (every size)
+    assert lowp is not None and len(lowp) == 4 and lowp[2] == select.SMALL_ELEMS and lowp[3] > 1 << 40
+    named = fast_path("lowp", "cython")
+    assert named is not None and named[2] > 1 << 40 and named[3] > 1 << 40
     assert fast_path("lowp", "numba") is None
     assert fast_path("reduce", object()) is None  # an injected backend gets every call
 
