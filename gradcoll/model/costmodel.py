@@ -224,9 +224,9 @@ def work(algorithm: str, n: int, nbytes: float) -> Work:
                     2.0 * s, s)
     if algorithm == "direct_one_shot":  # copy in, one sync, every rank adds all n slots into its own buffer
         return Work(1.0, 0.0, (n - 1) * s, s, (n - 1) * s, s, 0.0, s)
-    if algorithm == "direct_two_shot":  # copy in, sync, reduce a 1/n share, sync, copy every share out
+    if algorithm == "direct_two_shot":  # copy the others' shares in, sync, reduce a 1/n share, sync, copy all out
         c = s / n
-        return Work(2.0, 0.0, (n - 1) * c, 2.0 * s, (n - 1) * c, 2.0 * s, 0.0, c)
+        return Work(2.0, 0.0, (n - 1) * c, (2.0 * n - 1) * c, (n - 1) * c, (2.0 * n - 1) * c, 0.0, c)
     raise UsageError(f"unknown algorithm {algorithm!r}; the model covers {', '.join(ALGORITHMS + DIRECT_MODES)}")
 
 
