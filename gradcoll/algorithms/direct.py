@@ -106,7 +106,7 @@ def hot_allreduce(seq: int, transport: Transport, buf: np.ndarray, op: str, chec
     positionally: the group's one-host fast path, straight into the compiled hot path once it has its engine."""
     win = transport._group_window  # _hot's steps, one call fewer
     runner = None if win is None or backend not in (None, "cython") else win.cache.get("window-run")
-    if runner is not None and hasattr(runner, "fast"):
+    if win is not None and runner is not None and hasattr(runner, "fast"):
         started = time.monotonic()
         how = runner.allreduce(buf, OPS[op], check_finite, seq, timeout, variant)
         if how is None:

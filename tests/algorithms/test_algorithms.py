@@ -451,7 +451,7 @@ def test_framed_mismatch_is_named_on_every_rank(kind: str, algo: str) -> None:
 def test_framed_absent_rank_and_nonfinite(kind: str, algo: str) -> None:
     def absent(r: int, t: Any) -> Any:
         if r != 1:
-            return ALLREDUCE[algo](t, np.ones(300_000, np.float32), seq=2, timeout=2.0)  # 1.2 MB at 4 ranks on 2 busy cores
+            return ALLREDUCE[algo](t, np.ones(300_000, np.float32), seq=2, timeout=3.0)  # 1.2 MB at 4 ranks on 2 busy cores
 
     errors = run_framed(kind, 4, absent)
     for r in (0, 2, 3):
