@@ -6,7 +6,14 @@ Usage::
     python benches/fit_costmodel.py --run --ranks 2 4    # measure first (tcp and shm, every algorithm)
     python benches/fit_costmodel.py --run --iters 100 --repeat 3   # each row the median of 3 runs
     python benches/fit_costmodel.py --write              # also store the models algorithm="auto" uses
+    python benches/fit_costmodel.py --run --transports shm --sizes 4K 1M --write --store window
     python benches/fit_costmodel.py a.json b.json        # given ``gradcoll bench --json`` files
+
+On shm, ``--run`` also times the direct allreduce's two schedules (each
+forced with ``GRADCOLL_DIRECT_MODE``), from which it fits the *window* model:
+where the direct allreduce turns from one-shot to two-shot
+(``gradcoll.model.window_model``). ``--write`` replaces the stored models of
+this run (``--store`` names which) and keeps the others.
 
 For every transport it fits one model to all rows (every algorithm, every
 world size; ``--fit-ranks 2`` fits on the 2-rank rows only), prints it and
@@ -48,7 +55,8 @@ from dataclasses import asdict
 from typing import Any
 
 from gradcoll.cli.bench import load_rows, parse_size
-from gradcoll.model.costmodel import ALGORITHMS, FITTED_PATH, AlphaBeta, Node, fit, predict
+from gradcoll.model.costmodel import ALGORITHMS, DIRECT_MODES, FITTED_PATH, AlphaBeta, Node, fit, predict
+from gradcoll.model.window_model import WINDOW_MODEL, measured_crossovers
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 STORED = os.path.join(HERE, "results", "costmodel")
@@ -77,15 +85,23 @@ def measure(out_dir: str, ranks: list[int], transports: list[str], lo: str, hi: 
         threads = max(1, cores // n)
         env = dict(os.environ, NUMBA_NUM_THREADS=str(threads))
         for be in transports:
-            runs: dict[str, list[list[dict[str, Any]]]] = {algo: [] for algo in ALGORITHMS}
+            # (row label, --algorithm, environment): on shm, also the direct allreduce's two schedules, each forced
+            jobs = [(algo, algo, {}) for algo in ALGORITHMS]
+            if be == "shm":
+                jobs += [(m, "direct", {"GRADCOLL_DIRECT_MODE": m[len("direct_"):].replace("_", "-")})
+                         for m in DIRECT_MODES]
+            runs: dict[str, list[list[dict[str, Any]]]] = {label: [] for label, _, _ in jobs}
             for _ in range(repeat):
-                for algo in ALGORITHMS:
-                    path = os.path.join(out_dir, f"{be}_{algo}_{n}.json")
-                    subprocess.run(env=env, check=True, stdout=subprocess.DEVNULL, args=[
+                for label, algo, extra in jobs:
+                    path = os.path.join(out_dir, f"{be}_{label}_{n}.json")
+                    subprocess.run(env=dict(env, **extra), check=True, stdout=subprocess.DEVNULL, args=[
                         sys.executable, "-m", "gradcoll", "bench", "-n", str(n), "--backend", be, "--algorithm", algo,
                         "--min-size", lo, "--max-size", hi, "--iters", str(iters), "--warmup", str(warmup),
                         "--json", path])
-                    runs[algo].append(load_rows(path))
+                    got = load_rows(path)
+                    for r in got:
+                        r["algorithm"] = label  # "direct" ran, in the schedule named by the label
+                    runs[label].append(got)
             for algo, got in runs.items():
                 rows = []
                 for same in zip(*got, strict=True):
@@ -189,39 +205,59 @@ def shared_gamma(by_transport: dict[str, list[dict[str, Any]]], key: str) -> flo
     return min(grid, key=lambda g: total[g])
 
 
+def _selected(rows: list[dict[str, Any]], name: str) -> list[dict[str, Any]]:
+    """The rows of model ``name``: a transport's message algorithms, or (``WINDOW_MODEL``) the direct schedules."""
+    if name == WINDOW_MODEL:
+        return [r for r in rows if r["algorithm"] in DIRECT_MODES]
+    return [r for r in rows if r["transport"] == name and r["algorithm"] in ALGORITHMS]
+
+
 def report(rows: list[dict[str, Any]], min_size: int, fit_ranks: list[int] | None, verbose: bool) -> dict[str, Any]:
+    """Fit one model per transport (its message algorithms) and, from rows of the direct schedules, the window's.
+
+    The window model is fitted on every size (its crossover, one-shot to two-shot, lies below ``min_size``),
+    with the kernel cost the transports share.
+    """
     result: dict[str, Any] = {}
     key = time_key(rows)
-    fitted = {tr: [r for r in rows if r["transport"] == tr and r["algorithm"] in ALGORITHMS and r["size"] >= min_size
-                   and (fit_ranks is None or r["ranks"] in fit_ranks)] for tr in sorted({r["transport"] for r in rows})}
+    names = sorted({r["transport"] for r in rows if r["algorithm"] in ALGORITHMS})
+    fitted = {tr: [r for r in _selected(rows, tr) if r["size"] >= min_size
+                   and (fit_ranks is None or r["ranks"] in fit_ranks)] for tr in names}
     gamma = shared_gamma(fitted, key) if len(fitted) > 1 else None
     if gamma is not None:
         print(f"gamma (the reduction kernel, one for every transport): {1 / gamma / 1e9:.3g} GB/s")
+    window = [r for r in _selected(rows, WINDOW_MODEL) if fit_ranks is None or r["ranks"] in fit_ranks]
+    if window:
+        fitted[WINDOW_MODEL] = window
     for tr in fitted:
-        sel = [r for r in rows if r["transport"] == tr and r["algorithm"] in ALGORITHMS]
+        sel = _selected(rows, tr)
+        floor = 0 if tr == WINDOW_MODEL else min_size
         model = fit_best(fitted[tr], key, gamma)[1]
         print(f"\n## {tr}: {model.describe()}\n(fitted on {key} of rows >= {min_size} B, ranks {fit_ranks or 'all'})")
         errs = errors(sel, model, key)
         if verbose:
             print(f"{'ranks':>5} {'algorithm':>18} {'size':>10} {'measured us':>12} {'model us':>10} {'err %':>7}")
             for r, pred, e in errs:
-                flag = "" if r["size"] < min_size or abs(e) <= 25 else "  <-- over 25%"
+                flag = "" if r["size"] < floor or abs(e) <= 25 else "  <-- over 25%"
                 print(f"{r['ranks']:>5} {r['algorithm']:>18} {r['size']:>10} {r[key]:>12.1f} {pred:>10.1f} "
                       f"{e:>+7.1f}{flag}")
         cores = {r.get("cores") for r in sel}
         entry: dict[str, Any] = {"model": asdict(model), "cores": cores.pop() if len(cores) == 1 else None,
                                  "max_ranks": max(r["ranks"] for r in sel), "time_key": key,
-                                 "fit_ranks": fit_ranks or sorted({r["ranks"] for r in sel}), "min_size": min_size}
+                                 "fit_ranks": fit_ranks or sorted({r["ranks"] for r in sel}), "min_size": floor}
         for n in sorted({r["ranks"] for r in sel}):
-            big = [(r, abs(e)) for r, _, e in errs if r["size"] >= min_size and r["ranks"] == n]
+            big = [(r, abs(e)) for r, _, e in errs if r["size"] >= floor and r["ranks"] == n]
             ok = sum(e <= 25 for _, e in big)
             worst = sorted(big, key=lambda x: -x[1])[:3]
-            print(f"{n} ranks, from {min_size} B: max |error| {max(e for _, e in big):.1f}%, "
+            print(f"{n} ranks, from {floor} B: max |error| {max(e for _, e in big):.1f}%, "
                   f"mean {sum(e for _, e in big) / len(big):.1f}%, {ok}/{len(big)} rows within 25%; worst: "
                   + ", ".join(f"{r['algorithm']} {r['size']} B {e:.0f}%" for r, e in worst))
             entry[f"ranks_{n}"] = {"max_abs_err_pct": round(max(e for _, e in big), 1),
                                    "mean_abs_err_pct": round(sum(e for _, e in big) / len(big), 1),
                                    "within_25": ok, "rows": len(big)}
+        if tr == WINDOW_MODEL:  # the crossover as measured decides (gradcoll.model.window_model)
+            entry["one_shot_bytes"] = measured_crossovers(sel, key)
+            print(f"one-shot up to (bytes, by world size): {entry['one_shot_bytes']}")
         result[tr] = entry
     return result
 
@@ -242,6 +278,8 @@ def main() -> int:
     ap.add_argument("-v", "--verbose", action="store_true", help="print every row's error")
     ap.add_argument("--json", dest="json_path", default=None, help="write the fitted models and errors here")
     ap.add_argument("--write", action="store_true", help=f"store the models for algorithm='auto' ({FITTED_PATH})")
+    ap.add_argument("--store", nargs="+", default=None, metavar="MODEL",
+                    help=f"with --write, store only these of the run's models (transport names, {WINDOW_MODEL!r})")
     a = ap.parse_args()
     paths = measure(a.out, a.ranks, a.transports, *a.sizes, iters=a.iters, warmup=a.warmup,
                     repeat=a.repeat) if a.run else (
@@ -253,9 +291,16 @@ def main() -> int:
     if a.json_path:
         with open(a.json_path, "w") as f:
             json.dump(res, f, indent=1)
-    if a.write:
+    if a.write:  # the models of this run replace theirs; the others stay as stored
+        try:
+            with open(FITTED_PATH) as f:
+                stored = json.load(f).get("transports", {})
+        except (OSError, ValueError):
+            stored = {}
         with open(FITTED_PATH, "w") as f:
-            json.dump({"generated_by": "python benches/fit_costmodel.py --write", "transports": res}, f, indent=1)
+            new = {k: v for k, v in res.items() if a.store is None or k in a.store}
+            json.dump({"generated_by": "python benches/fit_costmodel.py --write", "transports": {**stored, **new}},
+                      f, indent=1)
             f.write("\n")
     return 0
 

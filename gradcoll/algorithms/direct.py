@@ -34,6 +34,7 @@ between the schedules is the cost model's (``gradcoll.model.costmodel``,
 from __future__ import annotations
 
 import functools
+import os
 import time
 from typing import Any
 
@@ -184,7 +185,10 @@ def _allreduce(t: Transport, buf: np.ndarray, flat: np.ndarray, op: str, check: 
     win = group_window(t, timeout, name, seq, flat.nbytes)
     region = None if wire else _region(win, flat)
     n = t.size
-    two = region is not None or mode == "two-shot" or (mode is None and flat.nbytes > one_shot_limit(n))
+    # the cost model's choice, unless GRADCOLL_DIRECT_MODE names one (read as the engine is built; such an engine
+    # still serves the hot path, as the model's would)
+    chosen = mode if mode is not None else forced_mode()
+    two = region is not None or chosen == "two-shot" or (chosen is None and flat.nbytes > one_shot_limit(n))
     rid = (-1, 0) if region is None else (region[2], region[1])
     key = (flat.size, flat.dtype.char, op, variant, check, two, rid)
 
@@ -206,6 +210,15 @@ def _allreduce(t: Transport, buf: np.ndarray, flat: np.ndarray, op: str, check: 
 def variant_name(variant: int) -> str:
     """The collective's name for a variant (what the group's records and the errors call it)."""
     return _name(variant)
+
+
+def forced_mode() -> str | None:
+    """``GRADCOLL_DIRECT_MODE`` (``one-shot`` or ``two-shot``): the schedule of every call whose engine is built
+    from now on, instead of the cost model's choice by size (how ``benches/fit_costmodel.py`` measures each)."""
+    mode = os.environ.get("GRADCOLL_DIRECT_MODE") or None
+    if mode not in _MODES:
+        raise UsageError(f"GRADCOLL_DIRECT_MODE must be 'one-shot' or 'two-shot', got {mode!r}")
+    return mode
 
 
 def _name(variant: int) -> str:
