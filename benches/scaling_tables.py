@@ -12,6 +12,7 @@ from gradcoll.algorithms import auto_thresholds
 from gradcoll.algorithms.simulate import simulate
 from gradcoll.model.costmodel import ALGORITHMS, AlphaBeta, best, busbw, crossovers, link_model, predict, stored_models
 from gradcoll.model.hierarchy import flat_time, step_times
+from gradcoll.model.window_model import WINDOW_MODEL
 
 #: Reduction throughput: docs/performance.md, 2 inputs x 1e7 float32 (40 MB of incoming contribution) in 5.52 ms.
 REDUCE_BPS = 40e6 / 5.52e-3
@@ -72,6 +73,8 @@ def auto_table() -> None:
     print("\n| transport | model | ranks | `auto`: algorithm by size |")
     print("|--|--|--:|--|")
     for tr in sorted(models):
+        if tr == WINDOW_MODEL:  # not a transport: the direct allreduce's schedule choice (docs/algorithms/direct.md)
+            continue
         m, cores, max_ranks = models[tr]
         for n in (2, 3, 4, 8, 16, 64, 1024):
             table = auto_thresholds(n, tr)
