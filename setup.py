@@ -26,7 +26,7 @@ exts = [
     Extension("gradcoll.transport._window_c", ["gradcoll/transport/_window_c.pyx"], extra_compile_args=exact),
     Extension("gradcoll.algorithms._direct_c", ["gradcoll/algorithms/_direct_c.pyx"],
               include_dirs=[np.get_include()], define_macros=macros, depends=["gradcoll/kernels/_fused.h"],
-              extra_compile_args=exact + (["-Wno-unused-function"] if os.name != "nt" else [])),  # uses one kernel
+              extra_compile_args=exact + (["-Wno-unused-function"] if os.name != "nt" else [])),  # uses a few of _fused.h's
 ]
 
 # The tcp transport's send/receive/wait loops (gradcoll/transport/_tcp_io.pyx); POSIX sockets only.

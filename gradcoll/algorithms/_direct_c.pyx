@@ -30,14 +30,15 @@ from gradcoll.transport._window_c cimport (
     win_fill, win_now, win_publish, win_wait_all,
 )
 
-# The n-input fused sum of gradcoll.kernels (one pass, all inputs summed in registers, AVX2 where the CPU has it).
+cnp.import_array()
+
+# The kernels of gradcoll.kernels (_fused.h): the n-input fused sum (one pass, every input summed in registers)
+# and the bf16/fp16 encode and widening loops (vectorised; F16C for fp16), AVX2 where the CPU has it.
 cdef extern from "../kernels/_fused.h" nogil:
     ctypedef Py_ssize_t gc_ssize
     int gc_reduce_ff(const float* const* xs, gc_ssize n, gc_ssize m, float* out, float f, int mode, int nt)
     int gc_reduce_dd(const double* const* xs, gc_ssize n, gc_ssize m, double* out, double f, int mode, int nt)
     int GC_NONE, GC_MUL, GC_DIV
-
-cnp.import_array()
 
 cdef extern from *:
     """
@@ -160,81 +161,40 @@ cdef extern from *:
         return bad;
     }
 
-    /* wire formats (gradcoll.kernels.lowp_reference) */
-    static inline uint16_t gcd_enc_bf16(uint32_t u) {  /* branch-free, so that its loops vectorise */
-        uint32_t r = (u + 0x7FFFu + ((u >> 16) & 1u)) >> 16, q = (u >> 16) | 0x0040u;
-        return (uint16_t)((u & 0x7FFFFFFFu) > 0x7F800000u ? q : r);
+    /* wire formats (the rules of gradcoll.kernels.lowp_reference, in _fused.h's loops) */
+    static void gcd_encode(const float* src, uint16_t* dst, int64_t m, int fp16) {
+        if (fp16) gc_encode_fp16((const uint32_t*)src, dst, m);
+        else gc_encode_bf16((const uint32_t*)src, dst, m);
     }
-    static inline uint16_t gcd_enc_fp16(uint32_t u) {
-        uint32_t sign = (u >> 16) & 0x8000u, a = u & 0x7FFFFFFFu;
-        if (a >= 0x47800000u) {
-            if (a > 0x7F800000u) return (uint16_t)(sign | 0x7E00u | ((a & 0x007FFFFFu) >> 13));
-            return (uint16_t)(sign | 0x7C00u);
-        }
-        if (a < 0x38800000u) {
-            if (a <= 0x33000000u) return (uint16_t)sign;
-            uint32_t shift = 126u - (a >> 23), mant = (a & 0x007FFFFFu) | 0x00800000u;
-            uint32_t r = mant >> shift, rem = mant & ((1u << shift) - 1u), half = 1u << (shift - 1u);
-            if (rem > half || (rem == half && (r & 1u) != 0)) r += 1u;
-            return (uint16_t)(sign | r);
-        }
-        uint32_t odd = (a >> 13) & 1u;
-        a = a - 0x38000000u + 0xFFFu + odd;
-        return (uint16_t)(sign | (a >> 13));
-    }
-    static inline float gcd_dec(uint16_t v, int fp16, const float* table) {
-        if (fp16) return table[v];
-        uint32_t b = ((uint32_t)v) << 16; float x; memcpy(&x, &b, 4); return x;
-    }
-    GCD_CLONES static void gcd_encode(const float* src, uint16_t* dst, int64_t m, int fp16) {
-        const uint32_t* u = (const uint32_t*)src;
-        if (fp16) for (int64_t i = 0; i < m; i++) dst[i] = gcd_enc_fp16(u[i]);
-        else for (int64_t i = 0; i < m; i++) dst[i] = gcd_enc_bf16(u[i]);
-    }
-    GCD_CLONES static void gcd_decode(const uint16_t* src, float* dst, int64_t m, int fp16, const float* table) {
-        if (fp16) for (int64_t i = 0; i < m; i++) dst[i] = table[src[i]];
-        else for (int64_t i = 0; i < m; i++) { uint32_t b = ((uint32_t)src[i]) << 16; memcpy(&dst[i], &b, 4); }
+    static void gcd_decode(const uint16_t* src, float* dst, int64_t m, int fp16, const float* table) {
+        if (fp16) gc_acc_fp16(dst, src, table, m, 1.0f, GC_NONE, 1);
+        else gc_acc_bf16(dst, src, m, 1.0f, GC_NONE, 1);
     }
     /* sum of n wire inputs in rank order in float32, divided, rounded to the wire into enc (a private block
        when NULL) and widened into dec when not NULL; nonzero when an encoded result is Inf/NaN */
     GCD_CLONES static int gcd_wire_reduce(const uint16_t* const* xs, int n, int64_t m, uint16_t* enc, float* dec,
                                           float div, int dodiv, int fp16, const float* table) {
         float acc[GCD_BLOCK];
+        uint32_t bits[GCD_BLOCK];
         uint16_t own[GCD_BLOCK];
-        uint32_t flag = 0, emask = fp16 ? 0x7C00u : 0x7F80u, elow = fp16 ? 0x0400u : 0x0080u;
+        uint32_t flag = 0;
         for (int64_t i0 = 0; i0 < m; i0 += GCD_BLOCK) {
             int64_t w = m - i0 < GCD_BLOCK ? m - i0 : GCD_BLOCK;
-            if (fp16) {
-                for (int64_t j = 0; j < w; j++) acc[j] = table[xs[0][i0 + j]];
-                for (int r = 1; r < n; r++)
-                    for (int64_t j = 0; j < w; j++) acc[j] = acc[j] + table[xs[r][i0 + j]];
-            } else {  /* the bf16 widening is a shift: one loop of vector instructions per input */
-                for (int64_t j = 0; j < w; j++) { uint32_t b = ((uint32_t)xs[0][i0 + j]) << 16; memcpy(&acc[j], &b, 4); }
-                for (int r = 1; r < n; r++)
-                    for (int64_t j = 0; j < w; j++) {
-                        uint32_t b = ((uint32_t)xs[r][i0 + j]) << 16; float x; memcpy(&x, &b, 4);
-                        acc[j] = acc[j] + x;
-                    }
+            /* widen input 0, add the others in rank order (the last add divides: (sum + x) / div is the
+               sum's division), round to the wire */
+            gcd_decode(xs[0] + i0, acc, w, fp16, table);
+            for (int r = 1; r < n; r++) {
+                int mode = (dodiv && r == n - 1) ? GC_DIV : GC_NONE;
+                if (fp16) gc_acc_fp16(acc, xs[r] + i0, table, w, div, mode, 0);
+                else gc_acc_bf16(acc, xs[r] + i0, w, div, mode, 0);
             }
-            if (dodiv) for (int64_t j = 0; j < w; j++) acc[j] = acc[j] / div;
+            if (dodiv && n == 1) for (int64_t j = 0; j < w; j++) acc[j] = acc[j] / div;
             uint16_t* e = enc != NULL ? enc + i0 : own;
-            if (fp16)
-                for (int64_t j = 0; j < w; j++) {
-                    uint32_t u; memcpy(&u, &acc[j], 4);
-                    uint16_t v = gcd_enc_fp16(u);
-                    e[j] = v;
-                    flag |= ((uint32_t)v & emask) + elow;
-                }
-            else
-                for (int64_t j = 0; j < w; j++) {
-                    uint32_t u; memcpy(&u, &acc[j], 4);
-                    uint16_t v = gcd_enc_bf16(u);
-                    e[j] = v;
-                    flag |= ((uint32_t)v & emask) + elow;
-                }
+            memcpy(bits, acc, (size_t)w * 4);  /* the sums' bits, as the encoder reads them (no aliasing) */
+            flag |= !(fp16 ? gc_encode_fp16(bits, e, w) : gc_encode_bf16(bits, e, w));
             if (dec != NULL) gcd_decode(e, dec + i0, w, fp16, table);
         }
-        return (flag & 0x8000u) != 0;
+        return flag != 0;
     }
     """
     int GCD_BLOCK
