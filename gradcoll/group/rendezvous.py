@@ -188,7 +188,9 @@ def init_process_group(
         backend = os.environ.get("GRADCOLL_BACKEND") or "tcp"
     rank, world_size, source = _rank_and_size(rank, world_size)
     boot = _startup_timeout(startup_timeout, timeout)
-    load_backend(backend)
+    module = load_backend(backend)
+    if callable(prepare := getattr(module, "prepare", None)):
+        prepare()  # process-wide set-up the transport needs before the rendezvous (MPI_Init: see transport/mpi.py)
     if kernel_backend is None:
         kernel_backend = _default_kernels()
     key = _auth.resolve(secret)

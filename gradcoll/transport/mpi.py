@@ -42,13 +42,24 @@ from ..store import Store
 from .base import QueuedRequest, Request, Transport, Window, as_bytes_view, as_writable_view
 from .window import LAYOUT, MappedWindow, init_header, plan
 
-__all__ = ["MpiTransport", "create"]
+__all__ = ["MpiTransport", "create", "prepare"]
 
 INSTALL_HINT = (
     "the mpi transport needs mpi4py and an MPI library: pip install gradcoll[mpi] "
     "with a system Open MPI (e.g. apt-get install openmpi-bin libopenmpi-dev)"
 )
 _SPIN_S, _YIELD_S = 50e-6, 2e-3
+
+
+def prepare() -> None:
+    """Initialise MPI now, before the group's rendezvous (``init_process_group`` calls it first).
+
+    ``MPI_Init`` (run by importing ``mpi4py.MPI``) waits for every process of the job and holds the
+    interpreter lock meanwhile. Run later, after rank 0's store server is up, a rank 0 done with the
+    rendezvous would sit in it while a slower rank still asks that server (a thread of the same process)
+    for the last keys: each waits for the other until the startup timeout.
+    """
+    _import_mpi()
 
 
 def _import_mpi() -> Any:
