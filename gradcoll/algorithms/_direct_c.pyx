@@ -161,6 +161,95 @@ cdef extern from *:
         return bad;
     }
 
+    /* The exact reduction of n > 2 float32 contributions, 8 elements at a time (AVX2). An element none of
+       whose nonzero contributions lies more than F - 24 binades below its largest has every contribution on
+       its grid already (step 2 rounds nothing), so its exact integer sum is the float64 sum of the
+       contributions in any order, and so is an element with an Inf/NaN or only zeros (the special cases,
+       summed in float64 by the block form too): such elements take the float64 sum in rank order. A group
+       of 8 with any other element goes through the grid, vectorised; the tail through the block form. The
+       operations are the block form's, so are the bits. */
+    #if defined(__GNUC__) && defined(__x86_64__) && defined(__linux__) && !defined(__clang__)
+    #include <immintrin.h>
+    #define GCD_EXACT_AVX2 1
+    __attribute__((target("avx2"))) static int gcd_exact_f32_avx2(
+            const float* const* xs, int n, int64_t m, float* out, double div, double recip, double limit,
+            int64_t hi, int64_t lo, int64_t bmin, int64_t F) {
+        const __m256i absm = _mm256_set1_epi32(0x7FFFFFFF), one = _mm256_set1_epi32(1);
+        const __m256i span = _mm256_set1_epi32((int)(F - 23)), top = _mm256_set1_epi32(0xFF);
+        const __m256i bm = _mm256_set1_epi32((int)bmin), zero = _mm256_setzero_si256();
+        const __m256d lim = _mm256_set1_pd(limit), rc = _mm256_set1_pd(recip), dv = _mm256_set1_pd(div);
+        const __m256i hv = _mm256_set1_epi64x(hi), lv = _mm256_set1_epi64x(lo);
+        const __m256d magic = _mm256_set1_pd(GCD_MAGIC);
+        const __m256d mag = _mm256_castsi256_pd(_mm256_set1_epi64x(INT64_MAX));
+        const int mul = recip > 0;
+        __m256d flag = _mm256_setzero_pd();
+        int bad = 0;
+        int64_t i = 0;
+        for (; i + 8 <= m; i += 8) {
+            const float* p = xs[0] + i;
+            __m256i mx = _mm256_and_si256(_mm256_loadu_si256((const __m256i*)p), absm);
+            /* |x| - 1 modulo 2**31: a zero becomes the largest, so the minimum is the smallest nonzero one */
+            __m256i mn = _mm256_and_si256(_mm256_add_epi32(mx, absm), absm);
+            __m256d s0 = _mm256_cvtps_pd(_mm_loadu_ps(p)), s1 = _mm256_cvtps_pd(_mm_loadu_ps(p + 4));
+            for (int r = 1; r < n; r++) {
+                p = xs[r] + i;
+                __m256i u = _mm256_and_si256(_mm256_loadu_si256((const __m256i*)p), absm);
+                mx = _mm256_max_epi32(mx, u);
+                mn = _mm256_min_epi32(mn, _mm256_and_si256(_mm256_add_epi32(u, absm), absm));
+                s0 = _mm256_add_pd(s0, _mm256_cvtps_pd(_mm_loadu_ps(p)));
+                s1 = _mm256_add_pd(s1, _mm256_cvtps_pd(_mm_loadu_ps(p + 4)));
+            }
+            __m256i b = _mm256_srli_epi32(mx, 23);
+            __m256i bx = _mm256_max_epi32(b, bm);  /* E's clamp */
+            __m256i bn = _mm256_max_epi32(_mm256_srli_epi32(_mm256_add_epi32(mn, one), 23), one);  /* subnormals: 1 */
+            __m256i ok = _mm256_or_si256(_mm256_cmpgt_epi32(_mm256_add_epi32(bn, span), bx),
+                                         _mm256_or_si256(_mm256_cmpeq_epi32(b, top), _mm256_cmpeq_epi32(mx, zero)));
+            if (__builtin_expect(_mm256_movemask_epi8(ok) != -1, 0)) {  /* the grid (steps 2-4), for all 8 */
+                __m256i special = _mm256_or_si256(_mm256_cmpeq_epi32(b, top), _mm256_cmpeq_epi32(mx, zero));
+                __m256i e0 = _mm256_cvtepi32_epi64(_mm256_castsi256_si128(bx));
+                __m256i e1 = _mm256_cvtepi32_epi64(_mm256_extracti128_si256(bx, 1));
+                __m256d c0 = _mm256_castsi256_pd(_mm256_slli_epi64(_mm256_sub_epi64(hv, e0), 52));
+                __m256d c1 = _mm256_castsi256_pd(_mm256_slli_epi64(_mm256_sub_epi64(hv, e1), 52));
+                __m256d a0 = _mm256_setzero_pd(), a1 = _mm256_setzero_pd();
+                for (int r = 0; r < n; r++) {
+                    p = xs[r] + i;
+                    __m256d y0 = _mm256_sub_pd(_mm256_add_pd(_mm256_mul_pd(_mm256_cvtps_pd(_mm_loadu_ps(p)), c0), magic), magic);
+                    __m256d y1 = _mm256_sub_pd(_mm256_add_pd(_mm256_mul_pd(_mm256_cvtps_pd(_mm_loadu_ps(p + 4)), c1), magic), magic);
+                    a0 = r ? _mm256_add_pd(a0, y0) : y0;
+                    a1 = r ? _mm256_add_pd(a1, y1) : y1;
+                }
+                a0 = _mm256_mul_pd(a0, _mm256_castsi256_pd(_mm256_slli_epi64(_mm256_add_epi64(e0, lv), 52)));
+                a1 = _mm256_mul_pd(a1, _mm256_castsi256_pd(_mm256_slli_epi64(_mm256_add_epi64(e1, lv), 52)));
+                s0 = _mm256_blendv_pd(a0, s0, _mm256_castsi256_pd(_mm256_cvtepi32_epi64(_mm256_castsi256_si128(special))));
+                s1 = _mm256_blendv_pd(a1, s1, _mm256_castsi256_pd(_mm256_cvtepi32_epi64(_mm256_extracti128_si256(special, 1))));
+            }
+            s0 = mul ? _mm256_mul_pd(s0, rc) : _mm256_div_pd(s0, dv);
+            s1 = mul ? _mm256_mul_pd(s1, rc) : _mm256_div_pd(s1, dv);
+            _mm_storeu_ps(out + i, _mm256_cvtpd_ps(s0));
+            _mm_storeu_ps(out + i + 4, _mm256_cvtpd_ps(s1));
+            flag = _mm256_or_pd(flag, _mm256_or_pd(_mm256_cmp_pd(_mm256_and_pd(s0, mag), lim, _CMP_NLT_UQ),
+                                                   _mm256_cmp_pd(_mm256_and_pd(s1, mag), lim, _CMP_NLT_UQ)));
+        }
+        if (i < m) {
+            const float* t[n];
+            for (int r = 0; r < n; r++) t[r] = xs[r] + i;
+            bad |= gcd_exact_f32(t, n, m - i, out + i, div, recip, limit, hi, lo, bmin);
+        }
+        return bad | (_mm256_movemask_pd(flag) != 0);
+    }
+    #endif
+    /* gcd_exact_f32, through the AVX2 loop above where the CPU has it and n > 2 */
+    static int gcd_exact32(const float* const* xs, int n, int64_t m, float* out, double div, double recip,
+                           double limit, int64_t hi, int64_t lo, int64_t bmin) {
+        int64_t F = hi - 127 - 1022;  /* exact_reference.params: hi = F + bias + 1022 */
+    #ifdef GCD_EXACT_AVX2
+        static int avx2 = -1;
+        if (avx2 < 0) avx2 = __builtin_cpu_supports("avx2") ? 1 : 0;
+        if (n > 2 && avx2) return gcd_exact_f32_avx2(xs, n, m, out, div, recip, limit, hi, lo, bmin, F);
+    #endif
+        (void)F;
+        return gcd_exact_f32(xs, n, m, out, div, recip, limit, hi, lo, bmin);
+    }
     /* wire formats (the rules of gradcoll.kernels.lowp_reference, in _fused.h's loops) */
     static void gcd_encode(const float* src, uint16_t* dst, int64_t m, int fp16) {
         if (fp16) gc_encode_fp16((const uint32_t*)src, dst, m);
@@ -199,8 +288,8 @@ cdef extern from *:
     """
     int GCD_BLOCK
     void gcd_copy(char* d, const char* s, size_t n) nogil
-    int gcd_exact_f32(const float* const* xs, int n, int64_t m, float* out, double div, double recip,
-                      double limit, int64_t hi, int64_t lo, int64_t bmin) nogil
+    int gcd_exact32(const float* const* xs, int n, int64_t m, float* out, double div, double recip,
+                    double limit, int64_t hi, int64_t lo, int64_t bmin) nogil
     int gcd_exact_f64(const double* const* xs, int n, int64_t m, double* out, double div, double recip,
                       double limit, int64_t hi, int64_t lo, int64_t bmin) nogil
     void gcd_encode(const float* src, uint16_t* dst, int64_t m, int fp16) nogil
@@ -481,8 +570,8 @@ cdef class Plan:
                 r = gcd_exact_f64(<const double* const*>xs, n, m, <double*>out, self.divisor, self.recip,
                                   self.limit, self.hi, self.lo, self.bmin)
             else:
-                r = gcd_exact_f32(<const float* const*>xs, n, m, <float*>out, self.divisor, self.recip,
-                                  self.limit, self.hi, self.lo, self.bmin)
+                r = gcd_exact32(<const float* const*>xs, n, m, <float*>out, self.divisor, self.recip,
+                                self.limit, self.hi, self.lo, self.bmin)
             return r == 0 or not self.check
         if self.op <= OP_SUM:  # rank order 0..n-1, then the division (a multiply where 1/n is exact: the same bits)
             mode = GC_NONE if not self.dodiv else (GC_MUL if self.recip > 0 else GC_DIV)

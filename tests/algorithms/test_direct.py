@@ -16,7 +16,7 @@ import pytest
 
 from gradcoll.algorithms import ALLREDUCE, select_allreduce
 from gradcoll.algorithms.deterministic import deterministic_allreduce
-from gradcoll.algorithms.direct import alloc, direct_allreduce
+from gradcoll.algorithms.direct import alloc, direct_allreduce, direct_exact
 from gradcoll.algorithms.low_precision import wire_allreduce
 from gradcoll.errors import NonFiniteError, UsageError
 from gradcoll.testing import gather_ranks
@@ -116,6 +116,50 @@ def test_deterministic_on_the_window_equals_the_ring_bitwise() -> None:
         each_rank(n, lambda r, t: [deterministic_allreduce(t, refill(bufs[r], data[r]),
                                                            algorithm=algo, seq=s) for s in (1, 2)])
     assert all(b.tobytes() == out["ring"][0].tobytes() for b in out["direct"])
+
+
+def mixed_contributions(n: int, count: int, seed: int) -> list[np.ndarray]:
+    """Contributions whose elements take every lane of the exact kernel: within the grid's span (the float64
+    sum), far apart (the grid), the special cases (only zeros, -0.0, subnormals, Inf and NaN)."""
+    rng = np.random.default_rng(seed)
+    data = [rng.standard_normal(count) for _ in range(n)]
+    spread = rng.random(count) < 0.2
+    for d in data:
+        d[spread] *= 2.0 ** rng.integers(-60, 60, int(spread.sum()))
+    data = [d.astype(np.float32) for d in data]
+    zeros = rng.choice(count, count // 50, replace=False)
+    for r, d in enumerate(data):
+        d[zeros] = -0.0 if r % 2 else 0.0
+        d[rng.choice(count, count // 100, replace=False)] = np.float32(1e-42)
+        d[rng.choice(count, count // 200, replace=False)] = -np.float32(3e38) / n
+    # +s, -s and a value k binades below with its last significand bit set, on both sides of the grid's
+    # edge: the float64 sum keeps that bit, the grid rounds it off once k is past the span, and the
+    # cancellation leaves it in the float32 result
+    edge = rng.choice(count, 400, replace=False)
+    s = np.float32(2.0) ** rng.integers(-20, 20, edge.size).astype(np.float32)
+    k = rng.integers(20, 36, edge.size)
+    for d in data:
+        d[edge] = 0.0
+    data[0][edge], data[1][edge] = s, -s
+    data[2][edge] = (s * np.float32(2.0) ** -k.astype(np.float32)) * np.float32(1 + 2.0 ** -23)
+    data[n - 1][rng.choice(count, 3, replace=False)] = np.inf
+    data[0][rng.choice(count, 3, replace=False)] = np.nan
+    return data
+
+
+@pytest.mark.parametrize("n", [3, 4, 8])
+def test_deterministic_on_the_window_equals_the_numpy_reference_in_every_lane(n: int) -> None:
+    from gradcoll.kernels import exact_reference
+    count = 8 * 1237 + 5  # a tail after the 8-element groups
+    data = mixed_contributions(n, count, seed=n)
+    want = np.empty(count, np.float32)
+    exact_reference.exact_reduce(data[0], np.stack(data[1:]), want, float(n))
+    for mode in MODES:
+        bufs = [d.copy() for d in data]
+        each_rank(n, lambda r, t: direct_exact(t, bufs[r], op="mean", check_finite=False, seq=1, timeout=20.0,
+                                               mode=mode))
+        for b in bufs:
+            assert b.tobytes() == want.tobytes(), mode
 
 
 @pytest.mark.parametrize("wire", ["bf16", "fp16"])
