@@ -702,9 +702,9 @@ cdef class Runner:
     ``tick`` is the window's next tick (``_window_run`` advances it for every
     collective, the same on every rank); ``plans`` maps a call's key to its
     ``(shape, plan, descriptor)``. ``allreduce`` takes a plain call (an
-    aligned, C-contiguous, writeable float32/float64 array that is in no
-    allocated region, an op code, the finite check) whose plan is already in
-    ``fast``: it binds, runs every batch and accounts the waits without
+    aligned, C-contiguous, writeable float32/float64 array, wholly inside
+    an allocated region or outside all of them, an op code, the finite
+    check) whose plan is already in ``fast``: it binds, runs every batch and accounts the waits without
     returning to Python. It returns None when the collective completed,
     NotImplemented when it does not take the call, else the failure
     ``(status, culprit, piece, phase, t0, entry)``.
@@ -726,7 +726,8 @@ cdef class Runner:
         self.batch_bytes = batch_bytes
 
     def add_region(self, Py_ssize_t start, Py_ssize_t end):
-        """Buffers in ``[start, end)`` live in an allocated window: never the hot path's."""
+        """Buffers in ``[start, end)`` (this rank's slot of allocated window ``i``, the ``i``-th added) take
+        the hot path under ``(key, i, offset)``: that region's engine, which reads them in place."""
         self.regions.append((start, end))
 
     @staticmethod
@@ -741,7 +742,7 @@ cdef class Runner:
         cdef uint64_t t0
         cdef double before
         cdef Plan plan
-        cdef object entry
+        cdef object entry, key
         if not cnp.PyArray_CheckExact(buf):
             return NotImplemented
         a = <cnp.ndarray>buf
@@ -749,12 +750,17 @@ cdef class Runner:
         if (typenum != cnp.NPY_FLOAT and typenum != cnp.NPY_DOUBLE) or not cnp.PyArray_ISCARRAY(a):
             return NotImplemented
         size = cnp.PyArray_SIZE(a)
-        if self.regions:
+        key = ((((size << 3) | op) << 1 | check) << 1 | (typenum == cnp.NPY_DOUBLE)) << 2 | variant
+        if self.regions:  # a buffer of an allocated region: that region's engine, for the buffer's offset
             addr = <Py_ssize_t>cnp.PyArray_DATA(a)
-            for lo_hi in self.regions:
-                if addr < <Py_ssize_t>lo_hi[1] and addr + size * cnp.PyArray_ITEMSIZE(a) > <Py_ssize_t>lo_hi[0]:
-                    return NotImplemented
-        entry = self.fast.get(((((size << 3) | op) << 1 | check) << 1 | (typenum == cnp.NPY_DOUBLE)) << 2 | variant)
+            stop = addr + size * cnp.PyArray_ITEMSIZE(a)
+            for i, lo_hi in enumerate(self.regions):
+                if addr < <Py_ssize_t>lo_hi[1] and stop > <Py_ssize_t>lo_hi[0]:
+                    if size == 0 or addr < <Py_ssize_t>lo_hi[0] or stop > <Py_ssize_t>lo_hi[1]:
+                        return NotImplemented
+                    key = (key, i, addr - <Py_ssize_t>lo_hi[0])
+                    break
+        entry = self.fast.get(key)
         if entry is None:
             return NotImplemented
         plan = <Plan>entry[1]

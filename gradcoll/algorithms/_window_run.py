@@ -28,7 +28,7 @@ from __future__ import annotations
 
 import importlib
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Hashable, Sequence
 from typing import Any, NoReturn
 
 import numpy as np
@@ -107,11 +107,11 @@ def state(t: Transport, win: Window) -> Any:
 
 def run(t: Transport, win: Window, key: tuple[Any, ...], build: Callable[[], tuple[Shape, bytes]], buf: np.ndarray,
         out: np.ndarray | None, *, name: str, seq: int, timeout: float | None, check: bool,
-        backend: str | None = None, fast: int | None = None) -> None:
+        backend: str | None = None, fast: Hashable | None = None) -> None:
     """Run one collective on ``win``: the engine of ``key`` (made by ``build`` the first time) over ``buf``.
 
-    ``fast``: the hot-path key (``Runner.key``) under which the compiled
-    engine also goes, for a plain call.
+    ``fast``: the hot-path key (``Runner.key``, with the region and offset
+    for an allocated buffer) under which the compiled engine also goes.
     """
     st = state(t, win)
     entry = st.plans.get(key)

@@ -36,6 +36,7 @@ from __future__ import annotations
 import functools
 import os
 import time
+from collections.abc import Hashable
 from typing import Any
 
 import numpy as np
@@ -199,10 +200,11 @@ def _allreduce(t: Transport, buf: np.ndarray, flat: np.ndarray, op: str, check: 
         desc = describe("allreduce", op, flat.dtype, flat.size, seq, extra=(variant, int(check), int(two), *rid))
         return shp, desc
 
-    fast = None
-    if mode is None and region is None and flat.dtype in _FAST_DTYPES and flat.flags.aligned:
-        fast = state(t, win).key(flat.size, _FAST_DTYPES[flat.dtype], OPS[op], check, variant) \
-            if hasattr(state(t, win), "key") else None
+    fast: Hashable | None = None
+    if mode is None and flat.dtype in _FAST_DTYPES and flat.flags.aligned and hasattr(state(t, win), "key"):
+        fast = state(t, win).key(flat.size, _FAST_DTYPES[flat.dtype], OPS[op], check, variant)
+        if region is not None:  # the engine of this region and offset (Runner.allreduce finds both)
+            fast = (fast, region[2], region[1])
     run(t, win, key, build, flat, None, name=name, seq=seq, timeout=timeout, check=check, backend=backend,
         fast=fast)
 

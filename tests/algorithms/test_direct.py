@@ -196,6 +196,29 @@ def test_alloc_reduces_in_place_without_a_copy_in() -> None:
     assert all(b == want.tobytes() and ok for b, ok in results)
 
 
+def test_alloc_buffers_take_the_hot_path_of_their_region_and_offset() -> None:
+    n, count = 2, 4096
+
+    def rank(r: int, t: Any) -> tuple[list[bool], list[Any]]:
+        arr = alloc(t, count, np.float32)
+        plain = np.empty(count, np.float32)
+        part = arr[64:64 + 1000]
+        ok = []
+        for s in range(4):  # the first call of each builds its engine; the later ones run the hot path
+            for b, base in ((arr, 1.0), (plain, 2.0), (part, 3.0)):
+                b[:] = np.float32(base * (r + 1) + s)
+                direct_allreduce(t, b, op="sum", seq=3 * s + int(base))
+                ok.append(bool((b == np.float32(base * 3 + 2 * s)).all()))
+            ok.append(bool((arr[64:1064] == np.float32(9 + 2 * s)).all() and (arr[:64] == 3 + 2 * s).all()))
+        return ok, list(t._group_window.cache["window-run"].fast)
+
+    for ok, keys in each_rank(n, rank):
+        assert all(ok), ok
+        if keys:  # the compiled engine: the region's two offsets and the plain buffer each have a hot engine
+            assert sorted(k[2] for k in keys if isinstance(k, tuple)) == [0, 64 * 4]
+            assert any(isinstance(k, int) for k in keys)
+
+
 def test_alloc_checks_its_shape() -> None:
     with pytest.raises(UsageError):
         each_rank(2, lambda r, t: alloc(t, (-1, 3), np.float32))
