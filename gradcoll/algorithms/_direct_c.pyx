@@ -237,8 +237,39 @@ cdef extern from *:
         }
         return bad | (_mm256_movemask_pd(flag) != 0);
     }
+    /* Two float32 contributions: the float64 sum of two float32 values rounds to float32 as their float32
+       sum does (exactly when they are within 29 binades, and the smaller cannot move the result past a
+       float32 half-way point otherwise), and halving that sum rounds as halving the float64 one does (the
+       halving is exact for a sum of exponent 2 or more; a smaller sum was exact already, both operands
+       being multiples of the smallest subnormal). So the float32 sum, halved for a mean, has the block
+       form's bits wherever it is finite; a group of 8 with a sum beyond float32's range (whose mean may
+       be in it) or a NaN takes the block form. */
+    __attribute__((target("avx2"))) static int gcd_exact2_f32_avx2(
+            const float* const* xs, int64_t m, float* out, double div, double recip, double limit,
+            int64_t hi, int64_t lo, int64_t bmin) {
+        const __m256 f = _mm256_set1_ps((float)recip);
+        const __m256i expm = _mm256_set1_epi32(0x7F800000);
+        const float *a = xs[0], *b = xs[1];
+        int bad = 0;
+        int64_t i = 0;
+        for (; i + 8 <= m; i += 8) {
+            __m256 v = _mm256_add_ps(_mm256_loadu_ps(a + i), _mm256_loadu_ps(b + i));
+            __m256i other = _mm256_cmpeq_epi32(_mm256_and_si256(_mm256_castps_si256(v), expm), expm);
+            if (__builtin_expect(!_mm256_testz_si256(other, other), 0)) {
+                const float* t[2] = {a + i, b + i};
+                bad |= gcd_exact_f32(t, 2, 8, out + i, div, recip, limit, hi, lo, bmin);
+                continue;
+            }
+            _mm256_storeu_ps(out + i, _mm256_mul_ps(v, f));
+        }
+        if (i < m) {
+            const float* t[2] = {a + i, b + i};
+            bad |= gcd_exact_f32(t, 2, m - i, out + i, div, recip, limit, hi, lo, bmin);
+        }
+        return bad;
+    }
     #endif
-    /* gcd_exact_f32, through the AVX2 loop above where the CPU has it and n > 2 */
+    /* gcd_exact_f32, through the AVX2 loops above where the CPU has it */
     static int gcd_exact32(const float* const* xs, int n, int64_t m, float* out, double div, double recip,
                            double limit, int64_t hi, int64_t lo, int64_t bmin) {
         int64_t F = hi - 127 - 1022;  /* exact_reference.params: hi = F + bias + 1022 */
@@ -246,6 +277,8 @@ cdef extern from *:
         static int avx2 = -1;
         if (avx2 < 0) avx2 = __builtin_cpu_supports("avx2") ? 1 : 0;
         if (n > 2 && avx2) return gcd_exact_f32_avx2(xs, n, m, out, div, recip, limit, hi, lo, bmin, F);
+        if (n == 2 && avx2 && (recip == 1.0 || recip == 0.5))
+            return gcd_exact2_f32_avx2(xs, m, out, div, recip, limit, hi, lo, bmin);
     #endif
         (void)F;
         return gcd_exact_f32(xs, n, m, out, div, recip, limit, hi, lo, bmin);
