@@ -49,14 +49,13 @@ from ._guard import guarded_allreduce
 from ._window_plan import BF16, EXACT, FP16, OPS, PLAIN, describe, shape
 from ._window_run import failed, group_window, run, state
 
-__all__ = ["direct_allreduce", "hot_allreduce", "hot_variant", "variant_name", "direct_exact", "direct_wire", "alloc",
-           "one_shot_limit", "PIECE_BYTES", "SEG_BYTES"]
+__all__ = ["direct_allreduce", "hot_allreduce", "hot_variant", "variant_name", "VARIANT_NAMES", "direct_exact",
+           "direct_wire", "alloc", "one_shot_limit", "PIECE_BYTES", "SEG_BYTES"]
 
 #: One-shot: bytes per piece; two-shot: bytes per chunk per piece (tuned on the 2-core machine).
 PIECE_BYTES = 256 << 10
 SEG_BYTES = 128 << 10
 _MODES = (None, "one-shot", "two-shot")
-_VARIANT_NAMES = {PLAIN: "", EXACT: "deterministic ", BF16: "", FP16: ""}
 
 
 @functools.lru_cache(maxsize=256)
@@ -223,9 +222,13 @@ def forced_mode() -> str | None:
     return mode
 
 
+#: The collective's name for each variant (what the group's records and the errors call it).
+VARIANT_NAMES = {PLAIN: "direct allreduce", EXACT: "deterministic direct allreduce",
+                 BF16: "direct allreduce (bf16 wire)", FP16: "direct allreduce (fp16 wire)"}
+
+
 def _name(variant: int) -> str:
-    wire = {BF16: "bf16", FP16: "fp16"}.get(variant)
-    return f"direct allreduce ({wire} wire)" if wire else f"{_VARIANT_NAMES[variant]}direct allreduce"
+    return VARIANT_NAMES[variant]
 
 
 _FAST_DTYPES = {np.dtype(np.float32): 11, np.dtype(np.float64): 12}  # NumPy's type numbers

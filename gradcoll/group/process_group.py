@@ -20,7 +20,7 @@ from ..algorithms import (
 )
 from ..algorithms._common import OPS, Workspace, check_op
 from ..algorithms._window_plan import PLAIN
-from ..algorithms.direct import hot_allreduce, hot_variant, variant_name
+from ..algorithms.direct import VARIANT_NAMES, hot_allreduce, hot_variant
 from ..algorithms.ring import SEGMENT_BYTES
 from ..errors import UsageError
 from ..observe.diagnosis import ControlChannel, Diagnostics
@@ -132,7 +132,7 @@ class ProcessGroup(Topology):
             variant = PLAIN if not (wire_dtype or deterministic) else hot_variant(buf.dtype, op, deterministic,
                                                                                     wire_dtype)
             if variant is not None:
-                return self._exec.inline(variant_name(variant), hot_allreduce, (
+                return self._exec.inline(VARIANT_NAMES[variant], hot_allreduce, (
                     self.transport, buf, op if op in OPS else check_op(op), check_finite,
                     self.timeout if timeout is None else timeout, self._ws, self.kernel_backend, variant), buf.nbytes)
         wire_dtype = tensor_wire(buf, op, wire_dtype)  # torch float16/bfloat16 tensors: accumulated in float32
