@@ -46,6 +46,8 @@ BLOCK = 16384  # as numba_cpu
 BF16, FP16 = 0, 1
 #: The smallest float32 magnitude (bits) whose bf16 encoding has an all-ones exponent: it rounds up to Inf.
 BF16_TOO_BIG = 0x7F7F8000
+#: Added to a magnitude (at most 0x7FFFFFFF, no carry out), it sets the top bit exactly from BF16_TOO_BIG on.
+TOO_BIG_CARRY = 0x80000000 - BF16_TOO_BIG
 
 
 
@@ -100,12 +102,13 @@ def _encode_bf16_checked(u, w):
     bad = 0
     for b in prange((m + BLOCK - 1) // BLOCK):
         lo, hi = np.uint64(b * BLOCK), np.uint64(min(m, (b + 1) * BLOCK))
-        flag = False
+        flag = np.uint32(0)
         for i in range(lo, hi):
             x = u[i]
             w[i] = np.uint16(_round_bf16(x))
-            flag |= (x & np.uint32(0x7FFFFFFF)) >= np.uint32(BF16_TOO_BIG)
-        bad += flag
+            # top bit: |x| >= BF16_TOO_BIG; cast back each time (Numba widens uint32 arithmetic to 64 bits)
+            flag = np.uint32(flag | ((x & np.uint32(0x7FFFFFFF)) + np.uint32(TOO_BIG_CARRY)))
+        bad += flag >> np.uint32(31)
     return bad
 
 

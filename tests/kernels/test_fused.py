@@ -287,3 +287,30 @@ def test_wire_accumulate_edges_every_divisor_and_thread_count(backend: str, wire
                         K.accumulate_wire(a0[:size].copy(), w[:size], wire, divide_by=d, backend=backend)
     finally:
         numba.set_num_threads(numba.config.NUMBA_NUM_THREADS)
+
+
+@pytest.mark.parametrize("backend", WIRE_BACKENDS)
+def test_bf16_checked_encode_one_edge_alone(backend: str) -> None:
+    """The checked bf16 encode rounds without the NaN select and runs the select again only when an input is at
+    or above 0x7F7F8000: one edge at a time, in the vector part or the tail, serial and threaded, gives the
+    oracle's verdict, the oracle's first bad index and the oracle's bits in ``dst`` (a NaN whose rounding as a
+    number would carry into the sign bit, 0x7FFF8000 and up, included)."""
+    rng = np.random.default_rng(26)
+    edges = np.concatenate([EDGES, np.array([0x7FFF8000, 0xFFFF8000, 0xFFFFFFFF, 0x7FFFFFFF], np.uint32)])
+    for m in (1_037, 70_001):  # serial and (backend="numba") threaded
+        base = rng.standard_normal(m).astype(np.float32)
+        for e in edges:
+            for where in (3, m - 1):  # a vector lane, the scalar tail
+                x = base.copy()
+                x.view(np.uint32)[where] = e
+                want = np.empty(m, np.uint16)
+                ok = R.encode(x, want, "bf16", True)
+                dst = np.zeros(m, np.uint16)
+                if ok:
+                    K.encode_wire(x, dst, wire="bf16", backend=backend)
+                else:
+                    with pytest.raises(gradcoll.NonFiniteError) as ei:
+                        K.encode_wire(x, dst, wire="bf16", backend=backend)
+                    assert ei.value.index == where, (hex(int(e)), m)
+                assert ok == ((int(e) & 0x7FFFFFFF) < 0x7F7F8000), hex(int(e))
+                assert dst.tobytes() == want.tobytes(), (hex(int(e)), m, where)
