@@ -265,6 +265,8 @@ def _pick(kind: str, names: tuple[str, ...], device: bool) -> ModuleType:
     for name in names:
         res = _load(name, family)
         if not isinstance(res, BaseException):
+            if name == "numba" and not device:
+                _threaded(extension())  # from now on the fast entries hand it their large calls
             return res
         first = first or res
     raise BackendUnavailable(f"kernel backend {names[0]!r} is not available here: {first}") from first
@@ -312,6 +314,23 @@ def _fast_entry(kind: str, backend: str | None) -> FastEntry:
     if limits[0] == 0:
         return None
     return (*fns, *limits)
+
+
+@functools.cache
+def _threaded(ext: Any) -> None:
+    """Hand the extension's fast entries the threaded Numba kernels for the calls above their limit (once, when a
+    call first resolves to Numba: a process that never needs it never imports it).
+
+    A fast entry has a limit only where the automatic choice moves from ``cython`` to ``numba`` (``_limit``);
+    above it the entry still validates the call in C and then runs these, so a large call skips the facade's
+    Python checks, which run with the cache the previous call's megabytes evicted (docs/kernels.md).
+    """
+    if ext is None or not hasattr(ext, "set_threaded"):
+        return
+    host, lowp = _load("numba"), _load("numba", "lowp")
+    if isinstance(host, BaseException) or isinstance(lowp, BaseException):
+        return
+    ext.set_threaded(host.reduce_plain, host.GROUP, host.accumulate, lowp.lowp_encode, lowp.lowp_accumulate)
 
 
 def _limit(chains: Chains) -> int:
