@@ -425,6 +425,15 @@ def lowp_accumulate_fast(object acc, object x, object wire, object divisor, bint
     return _lowp_acc(a, w, <cnp.ndarray>_fp16_table, code == 1, d, d != 1.0, False) or not check
 
 
+def kernel_addresses():
+    """The addresses of the C loops that a threaded caller runs block by block (``numba_lowp``, under
+    ``prange``): ``encode_bf16(u, w, m)``, ``encode_fp16(u, w, m)``, ``acc_bf16(acc, w, m, d, mode,
+    decode_only)`` and ``acc_fp16(acc, w, table, m, d, mode, decode_only)``, the signatures of ``_fused.h``;
+    each returns 1 when every result is finite."""
+    return {"encode_bf16": <size_t><void*>gc_encode_bf16, "encode_fp16": <size_t><void*>gc_encode_fp16,
+            "acc_bf16": <size_t><void*>gc_acc_bf16, "acc_fp16": <size_t><void*>gc_acc_fp16}
+
+
 # -- the selection policy's view of GRADCOLL_KERNELS (gradcoll/kernels/select.py) ---------------------------
 
 def kernels_env():

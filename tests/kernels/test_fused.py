@@ -14,6 +14,7 @@ import pytest
 import gradcoll
 from gradcoll import kernels as K
 from gradcoll.kernels import lowp_reference as R
+from gradcoll.kernels import numba_lowp
 from gradcoll.kernels import reference
 
 HOST = [b for b in K.available_backends() if b in ("numba", "cython")]
@@ -314,3 +315,31 @@ def test_bf16_checked_encode_one_edge_alone(backend: str) -> None:
                     assert ei.value.index == where, (hex(int(e)), m)
                 assert ok == ((int(e) & 0x7FFFFFFF) < 0x7F7F8000), hex(int(e))
                 assert dst.tobytes() == want.tobytes(), (hex(int(e)), m, where)
+                for loop in (numba_lowp.bf16_checked_serial, numba_lowp.bf16_checked_parallel)[:2 * (backend == "numba")]:
+                    # the Numba loops themselves (with the extension built, threaded calls run the compiled loop)
+                    dst[:] = 0
+                    assert (loop(x.view(np.uint32), dst) == 0) == ok, (hex(int(e)), loop)
+                    if ok:
+                        assert dst.tobytes() == want.tobytes(), (hex(int(e)), m, where)
+
+
+@pytest.mark.parametrize("wire", ["bf16", "fp16"])
+def test_threaded_numba_wire_loops_without_the_compiled_ones(wire: str) -> None:
+    """With the extension built, threaded wire calls run its loops block by block; the Numba loops that serve
+    them without it give the oracle's bits too (random bit patterns: NaNs, subnormals, both infinities)."""
+    rng = np.random.default_rng(27)
+    m = 200_003
+    u = rng.integers(0, 2**32, m, dtype=np.uint64).astype(np.uint32)
+    want = np.empty(m, np.uint16)
+    R.encode(u.view(np.float32), want, wire, False)
+    got = np.zeros(m, np.uint16)
+    numba_lowp.encode_parallel(u, got, numba_lowp._fmt(wire))
+    assert got.tobytes() == want.tobytes()
+    acc0 = rng.standard_normal(m).astype(np.float32)
+    w = rng.integers(0, 2**16, m, dtype=np.uint32).astype(np.uint16)
+    for d in (None, 2, 3):
+        a1, a2 = acc0.copy(), acc0.copy()
+        R.accumulate(a1, w, wire, d, False)
+        mode, f = reference.finish(d, np.dtype(np.float32))
+        numba_lowp.accumulate_parallel(a2, w, R.fp16_table(), numba_lowp._fmt(wire), np.float32(f), mode, False)
+        assert a1.tobytes() == a2.tobytes(), d

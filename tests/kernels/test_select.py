@@ -97,7 +97,7 @@ def test_what_this_machine_runs() -> None:
     assert resolve("finite", SMALL) is cython_backend and resolve("scale", LARGE) is numba_cpu
     assert resolve("accumulate", LARGE, half=True) is numpy_backend
     assert resolve("lowp", SMALL) is cython_lowp and resolve("lowp", LARGE) is numba_lowp  # bf16: threads when large
-    assert resolve("lowp", SMALL, half=True) is cython_lowp and resolve("lowp", LARGE, half=True) is cython_lowp  # fp16
+    assert resolve("lowp", SMALL, half=True) is cython_lowp and resolve("lowp", LARGE, half=True) is numba_lowp  # fp16 too
     assert resolve("lowp", LARGE, backend="cython") is cython_lowp and resolve("lowp", LARGE, backend="numba") is numba_lowp
     assert resolve("lowp", SMALL, backend="numpy") is lowp_reference
     assert resolve("exact", SMALL) is numba_exact and resolve("exact", SMALL, backend="cython") is numba_exact
@@ -153,8 +153,8 @@ def test_fast_path_follows_the_table(monkeypatch: pytest.MonkeyPatch) -> None:
     for other in ("numba", "numpy", "cudasim"):
         assert fast_path("reduce", other) is None
     assert fast_path("finite") is None
-    lowp = fast_path("lowp")  # encode, accumulate, bf16 limit (then threads), fp16 limit (every size)
-    assert lowp is not None and len(lowp) == 4 and lowp[2] == select.SMALL_ELEMS and lowp[3] > 1 << 40
+    lowp = fast_path("lowp")  # encode, accumulate, bf16 limit, fp16 limit (then threads, F16C loops for fp16)
+    assert lowp is not None and len(lowp) == 4 and lowp[2] == lowp[3] == select.SMALL_ELEMS
     named = fast_path("lowp", "cython")
     assert named is not None and named[2] > 1 << 40 and named[3] > 1 << 40
     assert fast_path("lowp", "numba") is None
