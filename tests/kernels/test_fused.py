@@ -14,8 +14,7 @@ import pytest
 import gradcoll
 from gradcoll import kernels as K
 from gradcoll.kernels import lowp_reference as R
-from gradcoll.kernels import numba_lowp
-from gradcoll.kernels import reference
+from gradcoll.kernels import numba_lowp, reference
 
 HOST = [b for b in K.available_backends() if b in ("numba", "cython")]
 needs_ext = pytest.mark.skipif("cython" not in HOST, reason="needs the compiled extension (pip install -e . with a C compiler)")
