@@ -15,14 +15,22 @@ nearest even at exactly the fp16 subnormal spacing), Inf or the quieted NaN
 from 65536 up. The fp16 decode reads a 65,536-entry table.
 
 The checked bf16 encode (``check_finite=True``, the common call) has no NaN
-select: it rounds every value as a number and counts the inputs whose
+select: it rounds every value as a number and flags the inputs whose
 magnitude bits are at least ``0x7F7F8000``, which are exactly those that
 encode to an all-ones exponent (Inf, NaN, and the finite values that round up
-to Inf): one compare. A NaN rounded as a number can carry into the sign bit,
+to Inf): ``(x & 0x7FFFFFFF) + 0x00808000`` OR-ed into a 32-bit flag, whose top
+bit that sum sets exactly from there on (a compare would be OR-ed as a packed
+vector of booleans, five instructions per 8 values instead of three). A NaN rounded as a number can carry into the sign bit,
 so when that count is not zero the encode runs again with the select (the
 error path only) and ``dst`` holds the oracle's bits either way. The select
 halves the speed of the loop (measured, docs/kernels.md), so only the
 unchecked encode pays for it.
+
+Where the compiled extension is built, the threaded calls (from
+``PARALLEL_ELEMS`` on) run its loops instead (``_fused.h``: F16C for fp16, the
+AVX2 bf16 loop), one block per ``prange`` iteration, through the addresses it
+exports: Numba has no F16C. The loops above then serve the serial calls of
+the ``numba`` backend and every call where the extension is not built.
 
 Each thread takes a contiguous run of ``BLOCK`` elements per iteration, with
 unsigned indices: a flat ``prange`` over the elements, with signed indices
