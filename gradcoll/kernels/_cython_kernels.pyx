@@ -178,6 +178,29 @@ def is_all_finite(cnp.ndarray buf):
     return ok != 0
 
 
+# -- the threaded kernels behind the fast entries (gradcoll.kernels.select registers them) -------------------
+# Above its limit a fast entry still validates the call in C and then hands it to these Python callables (the
+# threaded Numba kernels of the automatic choice): the facade's Python validation of a large call ran at the
+# speed of a cold cache (the kernel had just streamed megabytes through it), 30-60 us a call at 1e6 elements.
+cdef object _threaded_reduce = None
+cdef Py_ssize_t _threaded_max_inputs = 0
+cdef object _threaded_accumulate = None
+cdef object _threaded_encode = None
+cdef object _threaded_lowp_accumulate = None
+
+
+def set_threaded(object reduce, Py_ssize_t max_inputs, object accumulate, object encode, object lowp_accumulate):
+    """Register the kernels that take a validated call of 1-D arrays above a fast entry's limit (None: none).
+
+    ``reduce(xs, out, divisor, check)`` gets a tuple of at most ``max_inputs`` writeable arrays,
+    ``accumulate(acc, x, scale, divisor, check)``, ``encode(src, dst, wire, check)`` and
+    ``lowp_accumulate(acc, x, wire, divisor, check)`` the arguments of the facade; each returns True when finite.
+    """
+    global _threaded_reduce, _threaded_max_inputs, _threaded_accumulate, _threaded_encode, _threaded_lowp_accumulate
+    _threaded_reduce, _threaded_max_inputs = reduce, max_inputs
+    _threaded_accumulate, _threaded_encode, _threaded_lowp_accumulate = accumulate, encode, lowp_accumulate
+
+
 cdef inline bint _same_shape(cnp.ndarray a, cnp.ndarray b):
     cdef int k, nd = cnp.PyArray_NDIM(a)
     cdef cnp.npy_intp* da
@@ -207,7 +230,8 @@ def reduce_fast(object inputs, object out, bint mean, bint check, Py_ssize_t lim
 
     Applies to a list or tuple of plain C-contiguous float32/float64 arrays of
     one shape (and an ``out`` of that shape and dtype, or None) with at most
-    ``limit`` elements. Returns the output array when every value is finite,
+    ``limit`` elements; above it, writeable 1-D arrays go to the registered
+    threaded kernel (``set_threaded``). Returns the output array when every value is finite,
     False when the finite check failed (``out`` filled), or None when the fast
     path does not apply (the caller then validates and explains).
     """
@@ -215,7 +239,7 @@ def reduce_fast(object inputs, object out, bint mean, bint check, Py_ssize_t lim
     cdef cnp.ndarray first, r, o
     cdef void* stack[STACK_PTRS]
     cdef int typenum
-    cdef bint ok
+    cdef bint ok, big
     if type(inputs) is not list and type(inputs) is not tuple:
         return None
     n = len(inputs)
@@ -228,13 +252,16 @@ def reduce_fast(object inputs, object out, bint mean, bint check, Py_ssize_t lim
     if typenum != cnp.NPY_FLOAT and typenum != cnp.NPY_DOUBLE:
         return None
     m = cnp.PyArray_SIZE(first)
-    if m > limit or not cnp.PyArray_ISCARRAY_RO(first):
+    big = m > limit
+    if big and (_threaded_reduce is None or n > _threaded_max_inputs or cnp.PyArray_NDIM(first) != 1):
+        return None
+    if not cnp.PyArray_ISCARRAY_RO(first):
         return None
     for j in range(n):
         if not _plain_float_array(inputs[j], typenum, m):
             return None
         r = <cnp.ndarray>inputs[j]
-        if not _same_shape(r, first):
+        if not _same_shape(r, first) or (big and not cnp.PyArray_ISWRITEABLE(r)):  # one array type for Numba
             return None
         stack[j] = cnp.PyArray_DATA(r)
     if out is None:
@@ -245,14 +272,18 @@ def reduce_fast(object inputs, object out, bint mean, bint check, Py_ssize_t lim
         o = <cnp.ndarray>out
         if not _same_shape(o, first):
             return None
-    ok = _run_reduce(stack, n, m, o, typenum == cnp.NPY_DOUBLE, <double>n if mean else 1.0, check)
+    if big:
+        ok = _threaded_reduce(tuple(inputs), o, <double>n if mean else 1.0, check)
+    else:
+        ok = _run_reduce(stack, n, m, o, typenum == cnp.NPY_DOUBLE, <double>n if mean else 1.0, check)
     return o if ok else False
 
 
 def accumulate_fast(object acc, object x, object scale, object divisor, bint check, Py_ssize_t limit):
     """Fast path of ``accumulate`` (same-dtype plain arrays up to ``limit`` elements).
 
-    Returns True/False (finite or not) or None when it does not apply.
+    Above ``limit``, 1-D arrays go to the registered threaded kernel (``set_threaded``). Returns True/False
+    (finite or not) or None when it does not apply.
     """
     cdef cnp.ndarray a
     cdef int typenum
@@ -263,12 +294,16 @@ def accumulate_fast(object acc, object x, object scale, object divisor, bint che
     a = <cnp.ndarray>acc
     typenum = cnp.PyArray_TYPE(a)
     m = cnp.PyArray_SIZE(a)
-    if (typenum != cnp.NPY_FLOAT and typenum != cnp.NPY_DOUBLE) or m > limit:
+    if (typenum != cnp.NPY_FLOAT and typenum != cnp.NPY_DOUBLE) or (m > limit and _threaded_accumulate is None):
         return None
     if not cnp.PyArray_ISCARRAY(a) or not _plain_float_array(x, typenum, m):
         return None
     if divisor is not None and divisor == 0:
         return None
+    if m > limit:
+        if cnp.PyArray_NDIM(a) != 1 or cnp.PyArray_NDIM(<cnp.ndarray>x) != 1:
+            return None
+        return bool(_threaded_accumulate(a, x, scale, divisor, check))
     return _run_accumulate(a, <cnp.ndarray>x, scale if doscale else 1.0, doscale,
                            divisor if divisor is not None else 1.0, check)
 
@@ -338,8 +373,8 @@ cdef inline int _wire_code(object wire):
 
 
 def lowp_encode_fast(object src, object dst, object wire, bint check, Py_ssize_t limit):
-    """Fast path of ``encode_wire``: a plain float32 ``src`` of at most ``limit`` elements, a plain writeable
-    uint16 ``dst`` of the same size (or None). Returns ``dst``, False when an encoded value is Inf/NaN
+    """Fast path of ``encode_wire``: a plain float32 ``src`` of at most ``limit`` elements (above it, 1-D arrays
+    go to the registered threaded kernel), a plain writeable uint16 ``dst`` of the same size (or None). Returns ``dst``, False when an encoded value is Inf/NaN
     (``dst`` filled), or None when the fast path does not apply."""
     cdef cnp.ndarray a, w
     cdef Py_ssize_t m
@@ -348,7 +383,7 @@ def lowp_encode_fast(object src, object dst, object wire, bint check, Py_ssize_t
         return None
     a = <cnp.ndarray>src
     m = cnp.PyArray_SIZE(a)
-    if m > limit or not _plain_float_array(a, cnp.NPY_FLOAT, m):
+    if (m > limit and (_threaded_encode is None or cnp.PyArray_NDIM(a) != 1)) or not _plain_float_array(a, cnp.NPY_FLOAT, m):
         return None
     if dst is None:
         w = cnp.PyArray_EMPTY(cnp.PyArray_NDIM(a), cnp.PyArray_DIMS(a), cnp.NPY_UINT16, 0)
@@ -357,11 +392,16 @@ def lowp_encode_fast(object src, object dst, object wire, bint check, Py_ssize_t
         return None
     else:
         w = <cnp.ndarray>dst
+    if m > limit:
+        if cnp.PyArray_NDIM(w) != 1:
+            return None
+        return w if _threaded_encode(a, w, wire, check) else False
     return w if _encode(a, w, code == 1) or not check else False
 
 
 def lowp_accumulate_fast(object acc, object x, object wire, object divisor, bint check, Py_ssize_t limit):
-    """Fast path of ``accumulate_wire``: a plain writeable float32 ``acc`` of at most ``limit`` elements and a
+    """Fast path of ``accumulate_wire``: a plain writeable float32 ``acc`` of at most ``limit`` elements (above
+    it, 1-D arrays go to the registered threaded kernel) and a
     plain uint16 ``x`` of the same size. Returns True/False (finite or not) or None when it does not apply."""
     cdef cnp.ndarray a, w
     cdef Py_ssize_t m
@@ -374,11 +414,24 @@ def lowp_accumulate_fast(object acc, object x, object wire, object divisor, bint
     a = <cnp.ndarray>acc
     w = <cnp.ndarray>x
     m = cnp.PyArray_SIZE(a)
-    if (m > limit or cnp.PyArray_TYPE(a) != cnp.NPY_FLOAT or not cnp.PyArray_ISCARRAY(a)
+    if (cnp.PyArray_TYPE(a) != cnp.NPY_FLOAT or not cnp.PyArray_ISCARRAY(a)
             or cnp.PyArray_TYPE(w) != cnp.NPY_UINT16 or not cnp.PyArray_ISCARRAY_RO(w) or cnp.PyArray_SIZE(w) != m):
         return None
+    if m > limit:
+        if _threaded_lowp_accumulate is None or cnp.PyArray_NDIM(a) != 1 or cnp.PyArray_NDIM(w) != 1:
+            return None
+        return bool(_threaded_lowp_accumulate(a, w, wire, divisor, check))
     d = 1.0 if divisor is None else <double>divisor
     return _lowp_acc(a, w, <cnp.ndarray>_fp16_table, code == 1, d, d != 1.0, False) or not check
+
+
+def kernel_addresses():
+    """The addresses of the C loops that a threaded caller runs block by block (``numba_lowp``, under
+    ``prange``): ``encode_bf16(u, w, m)``, ``encode_fp16(u, w, m)``, ``acc_bf16(acc, w, m, d, mode,
+    decode_only)`` and ``acc_fp16(acc, w, table, m, d, mode, decode_only)``, the signatures of ``_fused.h``;
+    each returns 1 when every result is finite."""
+    return {"encode_bf16": <size_t><void*>gc_encode_bf16, "encode_fp16": <size_t><void*>gc_encode_fp16,
+            "acc_bf16": <size_t><void*>gc_acc_bf16, "acc_fp16": <size_t><void*>gc_acc_fp16}
 
 
 # -- the selection policy's view of GRADCOLL_KERNELS (gradcoll/kernels/select.py) ---------------------------

@@ -339,15 +339,12 @@ __attribute__((target("avx2,f16c"))) static gc_ssize gc_acc_fp16_hw(float *acc, 
     return i;
 }
 
-__attribute__((target("avx2"))) static gc_ssize gc_encode_bf16_hw(const uint32_t *u, uint16_t *w, gc_ssize m,
-                                                                   uint32_t *flag) {
-    /* gc_bf16 on 16 lanes at a time, with a signed comparison for the NaN test (|u| fits in 31 bits) and
-     * one saturating pack (every value fits in 16 bits) in place of the compiler's narrowing shuffles. */
+/* gc_bf16 on 16 lanes at a time, with the NaN select: a signed comparison for the NaN test (|u| fits in 31
+ * bits) and one saturating pack (every value fits in 16 bits) in place of the compiler's narrowing shuffles. */
+__attribute__((target("avx2"))) static void gc_encode_bf16_sel_hw(const uint32_t *u, uint16_t *w, gc_ssize m) {
     gc_ssize i = 0;
-    __m256i fv = _mm256_setzero_si256();
     const __m256i abs = _mm256_set1_epi32(0x7fffffff), inf = _mm256_set1_epi32(0x7f800000);
     const __m256i one = _mm256_set1_epi32(1), half = _mm256_set1_epi32(0x7fff), quiet = _mm256_set1_epi32(0x40);
-    const __m256i e = _mm256_set1_epi16(0x7f80), ulp = _mm256_set1_epi16(0x0080);
     __m256i r[2];
     int k;
     for (; i + 16 <= m; i += 16) {
@@ -359,12 +356,39 @@ __attribute__((target("avx2"))) static gc_ssize gc_encode_bf16_hw(const uint32_t
             __m256i nan = _mm256_cmpgt_epi32(_mm256_and_si256(v, abs), inf);
             r[k] = _mm256_blendv_epi8(rounded, _mm256_or_si256(top, quiet), nan);
         }
-        __m256i h = _mm256_permute4x64_epi64(_mm256_packus_epi32(r[0], r[1]), 0xd8);
-        _mm256_storeu_si256((__m256i *)(w + i), h);
-        fv = _mm256_or_si256(fv, _mm256_add_epi16(_mm256_and_si256(h, e), ulp));
+        _mm256_storeu_si256((__m256i *)(w + i), _mm256_permute4x64_epi64(_mm256_packus_epi32(r[0], r[1]), 0xd8));
     }
-    if ((unsigned)_mm256_movemask_epi8(fv) & 0xaaaaaaaau)
+}
+
+/* The encode as it runs: every value rounded as a number (no NaN select, a third fewer instructions), and
+ * the largest input magnitude kept (an unsigned maximum). An encoded value has an all-ones exponent exactly
+ * when its input's magnitude bits are at least GC_BF16_TOO_BIG (Inf, NaN, and the finite values that round up
+ * to Inf); only then can the select change a value, so only then does the loop run again with it. */
+#define GC_BF16_TOO_BIG 0x7f7f8000u
+__attribute__((target("avx2"))) static gc_ssize gc_encode_bf16_hw(const uint32_t *u, uint16_t *w, gc_ssize m,
+                                                                   uint32_t *flag) {
+    gc_ssize i = 0;
+    __m256i mx = _mm256_setzero_si256();
+    const __m256i abs = _mm256_set1_epi32(0x7fffffff), one = _mm256_set1_epi32(1), half = _mm256_set1_epi32(0x7fff);
+    __m256i r[2];
+    uint32_t lanes[8], top = 0;
+    int k;
+    for (; i + 16 <= m; i += 16) {
+        for (k = 0; k < 2; k++) {
+            __m256i v = _mm256_loadu_si256((const __m256i *)(u + i + 8 * k));
+            r[k] = _mm256_srli_epi32(_mm256_add_epi32(_mm256_add_epi32(v, half),
+                                                      _mm256_and_si256(_mm256_srli_epi32(v, 16), one)), 16);
+            mx = _mm256_max_epu32(mx, _mm256_and_si256(v, abs));
+        }
+        _mm256_storeu_si256((__m256i *)(w + i), _mm256_permute4x64_epi64(_mm256_packus_epi32(r[0], r[1]), 0xd8));
+    }
+    _mm256_storeu_si256((__m256i *)lanes, mx);
+    for (k = 0; k < 8; k++)
+        top = lanes[k] > top ? lanes[k] : top;
+    if (top >= GC_BF16_TOO_BIG) {  /* an Inf or NaN: the call fails; dst gets the oracle's bits all the same */
+        gc_encode_bf16_sel_hw(u, w, i);
         *flag |= 0x8000u;
+    }
     return i;
 }
 #endif

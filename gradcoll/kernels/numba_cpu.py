@@ -180,6 +180,22 @@ def reduce_rows(rows: Sequence[np.ndarray] | np.ndarray, out: np.ndarray, acc_dt
     return reference.store(out, target, bad == 0 or not check, check)
 
 
+_PLAIN: dict[tuple[np.dtype, float], tuple[Any, int, Any]] = {}
+
+
+def reduce_plain(xs: tuple[np.ndarray, ...], out: np.ndarray, divisor: float, check: bool) -> bool:
+    """``reduce_rows`` of a call the extension validated (its fast entry above its limit): at most ``GROUP``
+    writeable 1-D arrays of ``out``'s dtype and size. The factor, mode and bound are remembered per dtype and
+    divisor: what runs between two large calls runs with a cold cache, so it is kept short."""
+    key = (out.dtype, divisor)
+    p = _PLAIN.get(key)
+    if p is None:
+        mode, f = finish(divisor, out.dtype)
+        p = _PLAIN[key] = (out.dtype.type(f), mode, _big(out.dtype))
+    fn = sum_parallel if out.shape[0] >= PARALLEL_ELEMS else sum_serial
+    return fn(xs, out, p[0], p[1], p[2]) == 0 or not check
+
+
 def accumulate(acc: np.ndarray, x: np.ndarray, scale: float | None, divisor: float | None, check: bool) -> bool:
     """In place ``acc += x`` with optional divide/scale; True when finite."""
     mode, f = finish(divisor, acc.dtype)

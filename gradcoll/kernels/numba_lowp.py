@@ -15,14 +15,22 @@ nearest even at exactly the fp16 subnormal spacing), Inf or the quieted NaN
 from 65536 up. The fp16 decode reads a 65,536-entry table.
 
 The checked bf16 encode (``check_finite=True``, the common call) has no NaN
-select: it rounds every value as a number and counts the inputs whose
+select: it rounds every value as a number and flags the inputs whose
 magnitude bits are at least ``0x7F7F8000``, which are exactly those that
 encode to an all-ones exponent (Inf, NaN, and the finite values that round up
-to Inf): one compare. A NaN rounded as a number can carry into the sign bit,
+to Inf): ``(x & 0x7FFFFFFF) + 0x00808000`` OR-ed into a 32-bit flag, whose top
+bit that sum sets exactly from there on (a compare would be OR-ed as a packed
+vector of booleans, five instructions per 8 values instead of three). A NaN rounded as a number can carry into the sign bit,
 so when that count is not zero the encode runs again with the select (the
 error path only) and ``dst`` holds the oracle's bits either way. The select
 halves the speed of the loop (measured, docs/kernels.md), so only the
 unchecked encode pays for it.
+
+Where the compiled extension is built, the threaded calls (from
+``PARALLEL_ELEMS`` on) run its loops instead (``_fused.h``: F16C for fp16, the
+AVX2 bf16 loop), one block per ``prange`` iteration, through the addresses it
+exports: Numba has no F16C. The loops above then serve the serial calls of
+the ``numba`` backend and every call where the extension is not built.
 
 Each thread takes a contiguous run of ``BLOCK`` elements per iteration, with
 unsigned indices: a flat ``prange`` over the elements, with signed indices
@@ -32,9 +40,13 @@ unsigned indices: a flat ``prange`` over the elements, with signed indices
 
 from __future__ import annotations
 
+import ctypes
+from typing import Any
+
 import numpy as np
 from numba import njit, prange
 
+from ._compiled import extension
 from ._twins import twins as _two
 from .lowp_reference import fp16_table
 from .reference import DIV, MUL, NONE, finish
@@ -46,6 +58,8 @@ BLOCK = 16384  # as numba_cpu
 BF16, FP16 = 0, 1
 #: The smallest float32 magnitude (bits) whose bf16 encoding has an all-ones exponent: it rounds up to Inf.
 BF16_TOO_BIG = 0x7F7F8000
+#: Added to a magnitude (at most 0x7FFFFFFF, no carry out), it sets the top bit exactly from BF16_TOO_BIG on.
+TOO_BIG_CARRY = 0x80000000 - BF16_TOO_BIG
 
 
 
@@ -100,12 +114,13 @@ def _encode_bf16_checked(u, w):
     bad = 0
     for b in prange((m + BLOCK - 1) // BLOCK):
         lo, hi = np.uint64(b * BLOCK), np.uint64(min(m, (b + 1) * BLOCK))
-        flag = False
+        flag = np.uint32(0)
         for i in range(lo, hi):
             x = u[i]
             w[i] = np.uint16(_round_bf16(x))
-            flag |= (x & np.uint32(0x7FFFFFFF)) >= np.uint32(BF16_TOO_BIG)
-        bad += flag
+            # top bit: |x| >= BF16_TOO_BIG; cast back each time (Numba widens uint32 arithmetic to 64 bits)
+            flag = np.uint32(flag | ((x & np.uint32(0x7FFFFFFF)) + np.uint32(TOO_BIG_CARRY)))
+        bad += flag >> np.uint32(31)
     return bad
 
 
@@ -141,6 +156,54 @@ def _accumulate(acc, w, table, fmt, f, mode, decode_only):
     return bad
 
 
+# -- the compiled loops, threaded: Numba has no F16C, and its bf16 encode spends more instructions ----------
+
+def _native_loops() -> tuple[Any, ...] | None:
+    """The extension's encode and accumulate loops (``_fused.h``) as ctypes functions, or None."""
+    ext = extension()
+    if ext is None or not hasattr(ext, "kernel_addresses"):
+        return None
+    addr = ext.kernel_addresses()
+    vp, n, i, f = ctypes.c_void_p, ctypes.c_ssize_t, ctypes.c_int, ctypes.c_float
+    enc = ctypes.CFUNCTYPE(i, vp, vp, n)
+    return (enc(addr["encode_bf16"]), enc(addr["encode_fp16"]),
+            ctypes.CFUNCTYPE(i, vp, vp, n, f, i, i)(addr["acc_bf16"]),
+            ctypes.CFUNCTYPE(i, vp, vp, vp, n, f, i, i)(addr["acc_fp16"]))
+
+
+_NATIVE = _native_loops()
+if _NATIVE is not None:
+    _ENC_BF16, _ENC_FP16, _ACC_BF16, _ACC_FP16 = _NATIVE
+
+    # Not cached on disk: the loops' addresses are constants in the machine code and differ in every process.
+    @njit(fastmath=False, nogil=True, parallel=True)
+    def encode_native(u, w, fmt):
+        """The compiled encode, one block of ``BLOCK`` elements per iteration; the non-finite block count."""
+        m = u.shape[0]
+        bad = 0
+        for b in prange((m + BLOCK - 1) // BLOCK):
+            lo, hi = b * BLOCK, min(m, (b + 1) * BLOCK)
+            if fmt == FP16:
+                bad += 1 - _ENC_FP16(u[lo:hi].ctypes, w[lo:hi].ctypes, hi - lo)
+            else:
+                bad += 1 - _ENC_BF16(u[lo:hi].ctypes, w[lo:hi].ctypes, hi - lo)
+        return bad
+
+    @njit(fastmath=False, nogil=True, parallel=True)
+    def accumulate_native(acc, w, table, fmt, f, mode, decode_only):
+        """The compiled accumulate (decode with ``decode_only``), block by block; the non-finite block count."""
+        m = acc.shape[0]
+        md, dec = np.int32(mode), np.int32(decode_only)
+        bad = 0
+        for b in prange((m + BLOCK - 1) // BLOCK):
+            lo, hi = b * BLOCK, min(m, (b + 1) * BLOCK)
+            if fmt == FP16:
+                bad += 1 - _ACC_FP16(acc[lo:hi].ctypes, w[lo:hi].ctypes, table.ctypes, hi - lo, f, md, dec)
+            else:
+                bad += 1 - _ACC_BF16(acc[lo:hi].ctypes, w[lo:hi].ctypes, hi - lo, f, md, dec)
+        return bad
+
+
 encode_serial, encode_parallel = _two(_encode)
 bf16_checked_serial, bf16_checked_parallel = _two(_encode_bf16_checked)
 accumulate_serial, accumulate_parallel = _two(_accumulate)
@@ -154,6 +217,8 @@ def lowp_encode(src: np.ndarray, dst: np.ndarray, wire: str, check: bool) -> boo
     """float32 ``src`` -> uint16 ``dst``; True when finite (or unchecked)."""
     par = src.shape[0] >= PARALLEL_ELEMS
     u = src.view(np.uint32)
+    if par and _NATIVE is not None:
+        return encode_native(u, dst, _fmt(wire)) == 0 or not check
     if check and wire == "bf16":
         if (bf16_checked_parallel if par else bf16_checked_serial)(u, dst) == 0:
             return True  # no NaN among the inputs: the select would have changed nothing
@@ -164,14 +229,21 @@ def lowp_encode(src: np.ndarray, dst: np.ndarray, wire: str, check: bool) -> boo
 
 def lowp_decode(src: np.ndarray, dst: np.ndarray, wire: str) -> None:
     """uint16 ``src`` -> float32 ``dst``."""
-    fn = accumulate_parallel if dst.shape[0] >= PARALLEL_ELEMS else accumulate_serial
+    par = dst.shape[0] >= PARALLEL_ELEMS
+    if par and _NATIVE is not None:
+        accumulate_native(dst, src, fp16_table(), _fmt(wire), np.float32(1.0), NONE, True)
+        return
+    fn = accumulate_parallel if par else accumulate_serial
     fn(dst, src, fp16_table(), _fmt(wire), np.float32(1.0), NONE, True)
 
 
 def lowp_accumulate(acc: np.ndarray, x: np.ndarray, wire: str, divisor: float | None, check: bool) -> bool:
     """Fused ``acc += decode(x)`` then ``acc /= divisor``, with the finite check."""
-    fn = accumulate_parallel if acc.shape[0] >= PARALLEL_ELEMS else accumulate_serial
+    par = acc.shape[0] >= PARALLEL_ELEMS
     mode, f = finish(divisor, np.dtype(np.float32))
+    if par and _NATIVE is not None:
+        return accumulate_native(acc, x, fp16_table(), _fmt(wire), np.float32(f), mode, False) == 0 or not check
+    fn = accumulate_parallel if par else accumulate_serial
     return fn(acc, x, fp16_table(), _fmt(wire), np.float32(f), mode, False) == 0 or not check
 
 
@@ -182,5 +254,11 @@ def warmup() -> None:
         w = np.empty(m, np.uint16)
         for wire in ("bf16", "fp16"):
             lowp_encode(src, w, wire, True)
+            lowp_encode(src, w, wire, False)
+            par = m >= PARALLEL_ELEMS  # the Numba loops too, where the compiled ones serve the threaded calls
+            (encode_parallel if par else encode_serial)(src.view(np.uint32), w, _fmt(wire))
+            (bf16_checked_parallel if par else bf16_checked_serial)(src.view(np.uint32), w)
+            (accumulate_parallel if par else accumulate_serial)(src, w, fp16_table(), _fmt(wire), np.float32(1.0),
+                                                                NONE, False)
             lowp_decode(w, src, wire)
             lowp_accumulate(src, w, wire, 2, True)

@@ -11,6 +11,7 @@ names it.
 
 from __future__ import annotations
 
+import math
 from collections.abc import Sequence
 
 import numpy as np
@@ -166,7 +167,7 @@ def finish(divisor: float | None, dtype: np.dtype) -> tuple[int, float]:
     """
     if divisor is None or divisor == 1:
         return NONE, 1.0
-    mant, exp = np.frexp(float(divisor))
+    mant, exp = math.frexp(divisor)  # np.frexp costs about 1 us a call, math.frexp 0.05
     lim = 126 if dtype == np.float32 else 1022
     if mant == 0.5 and -lim < exp <= lim:
         return MUL, 1.0 / float(divisor)

@@ -22,7 +22,7 @@ first that implements the kind on this machine runs (a single name that does not
 | reduce, accumulate, finite, scale | cython, numba, numpy | numba, cython, numpy | cython | numba | numpy | that one |
 | the same on float16 (not reduce) | numpy | numpy | numpy | numpy | numpy | numpy |
 | lowp (bf16 wire) | cython, numba, numpy | numba, cython, numpy | cython, numba, numpy | numba, numpy | numpy | that one |
-| lowp, fp16 wire | cython, numba, numpy | cython, numba, numpy | cython, numba, numpy | numba, numpy | numpy | that one |
+| lowp, fp16 wire | cython, numba, numpy | numba, cython, numpy | cython, numba, numpy | numba, numpy | numpy | that one |
 | exact | numba, numpy | numba, numpy | numba, numpy | numba, numpy | numpy | numba, numpy |
 
 Device arrays go to ``cuda``, else ``cudasim`` (``GRADCOLL_KERNELS`` naming a
@@ -36,13 +36,13 @@ output elements; above it the threaded Numba kernels do, both cores working
 (measured on the 2-core CI machine, docs/performance.md). The bf16 kernels
 follow the same rule: above ``SMALL_ELEMS`` the threaded Numba encode (no
 NaN select when checking) and accumulate ran 1.5-1.8x as fast as the serial
-compiled ones at 1e6 and 1e7 elements. The fp16 wire format is the
-exception: the compiled kernels convert 8 values per instruction (F16C),
-while Numba converts one at a time (a branch-free select of three ranges to
-encode, a table lookup to widen), and serial they ran 1.1-4.7x as fast as
-the threaded Numba ones at 1e6 and 1e7 elements, so the automatic choice
-keeps them at every size (``half=True``: the facade passes it for an fp16
-wire). A process group
+compiled ones at 1e6 and 1e7 elements. For the fp16 wire format
+(``half=True``: the facade passes it) the threaded Numba kernels run the
+extension's own F16C loops, block by block under ``prange``, where the
+extension is built: Numba converts one value at a time (a branch-free
+select of three ranges to encode, a table lookup to widen), 1.1-4.7x slower
+than the serial compiled loops, which convert 8 values per instruction.
+A process group
 names ``cython`` (its ``kernel_backend``): every rank is a process on its
 own core, and threads would only compete for them. The compiled kernels
 take float32 and float64 only, so half buffers go to NumPy (``mean_reduce``
@@ -135,8 +135,8 @@ POLICY: dict[str, dict[str | None, Chains]] = {
 }
 #: Float16 host buffers of these kinds, whatever was asked for: the compiled kernels take float32/float64.
 HALF: dict[str, tuple[str, ...]] = {"accumulate": ("numpy",), "finite": ("numpy",), "scale": ("numpy",)}
-#: The fp16 wire format of ``lowp`` (``half=True``), by request: the compiled F16C kernels at every size.
-FP16_WIRE: dict[str | None, Chains] = {None: _both("cython", "numba", "numpy")}
+#: The fp16 wire format of ``lowp`` (``half=True``), by request: as bf16 (the threaded kernels run the F16C loops).
+FP16_WIRE: dict[str | None, Chains] = {None: (("cython", "numba", "numpy"), ("numba", "cython", "numpy"))}
 #: Device arrays: request -> the backends to try.
 DEVICE: dict[str | None, tuple[str, ...]] = {None: ("cuda", "cudasim"), "cuda": ("cuda",), "cudasim": ("cudasim",)}
 
@@ -265,6 +265,8 @@ def _pick(kind: str, names: tuple[str, ...], device: bool) -> ModuleType:
     for name in names:
         res = _load(name, family)
         if not isinstance(res, BaseException):
+            if name == "numba" and not device:
+                _threaded(extension())  # from now on the fast entries hand it their large calls
             return res
         first = first or res
     raise BackendUnavailable(f"kernel backend {names[0]!r} is not available here: {first}") from first
@@ -312,6 +314,23 @@ def _fast_entry(kind: str, backend: str | None) -> FastEntry:
     if limits[0] == 0:
         return None
     return (*fns, *limits)
+
+
+@functools.cache
+def _threaded(ext: Any) -> None:
+    """Hand the extension's fast entries the threaded Numba kernels for the calls above their limit (once, when a
+    call first resolves to Numba: a process that never needs it never imports it).
+
+    A fast entry has a limit only where the automatic choice moves from ``cython`` to ``numba`` (``_limit``);
+    above it the entry still validates the call in C and then runs these, so a large call skips the facade's
+    Python checks, which run with the cache the previous call's megabytes evicted (docs/kernels.md).
+    """
+    if ext is None or not hasattr(ext, "set_threaded"):
+        return
+    host, lowp = _load("numba"), _load("numba", "lowp")
+    if isinstance(host, BaseException) or isinstance(lowp, BaseException):
+        return
+    ext.set_threaded(host.reduce_plain, host.GROUP, host.accumulate, lowp.lowp_encode, lowp.lowp_accumulate)
 
 
 def _limit(chains: Chains) -> int:

@@ -14,7 +14,7 @@ import pytest
 import gradcoll
 from gradcoll import kernels as K
 from gradcoll.kernels import lowp_reference as R
-from gradcoll.kernels import reference
+from gradcoll.kernels import numba_lowp, reference
 
 HOST = [b for b in K.available_backends() if b in ("numba", "cython")]
 needs_ext = pytest.mark.skipif("cython" not in HOST, reason="needs the compiled extension (pip install -e . with a C compiler)")
@@ -287,3 +287,58 @@ def test_wire_accumulate_edges_every_divisor_and_thread_count(backend: str, wire
                         K.accumulate_wire(a0[:size].copy(), w[:size], wire, divide_by=d, backend=backend)
     finally:
         numba.set_num_threads(numba.config.NUMBA_NUM_THREADS)
+
+
+@pytest.mark.parametrize("backend", WIRE_BACKENDS)
+def test_bf16_checked_encode_one_edge_alone(backend: str) -> None:
+    """The checked bf16 encode rounds without the NaN select and runs the select again only when an input is at
+    or above 0x7F7F8000: one edge at a time, in the vector part or the tail, serial and threaded, gives the
+    oracle's verdict, the oracle's first bad index and the oracle's bits in ``dst`` (a NaN whose rounding as a
+    number would carry into the sign bit, 0x7FFF8000 and up, included)."""
+    rng = np.random.default_rng(26)
+    edges = np.concatenate([EDGES, np.array([0x7FFF8000, 0xFFFF8000, 0xFFFFFFFF, 0x7FFFFFFF], np.uint32)])
+    for m in (1_037, 70_001):  # serial and (backend="numba") threaded
+        base = rng.standard_normal(m).astype(np.float32)
+        for e in edges:
+            for where in (3, m - 1):  # a vector lane, the scalar tail
+                x = base.copy()
+                x.view(np.uint32)[where] = e
+                want = np.empty(m, np.uint16)
+                ok = R.encode(x, want, "bf16", True)
+                dst = np.zeros(m, np.uint16)
+                if ok:
+                    K.encode_wire(x, dst, wire="bf16", backend=backend)
+                else:
+                    with pytest.raises(gradcoll.NonFiniteError) as ei:
+                        K.encode_wire(x, dst, wire="bf16", backend=backend)
+                    assert ei.value.index == where, (hex(int(e)), m)
+                assert ok == ((int(e) & 0x7FFFFFFF) < 0x7F7F8000), hex(int(e))
+                assert dst.tobytes() == want.tobytes(), (hex(int(e)), m, where)
+                for loop in (numba_lowp.bf16_checked_serial, numba_lowp.bf16_checked_parallel)[:2 * (backend == "numba")]:
+                    # the Numba loops themselves (with the extension built, threaded calls run the compiled loop)
+                    dst[:] = 0
+                    assert (loop(x.view(np.uint32), dst) == 0) == ok, (hex(int(e)), loop)
+                    if ok:
+                        assert dst.tobytes() == want.tobytes(), (hex(int(e)), m, where)
+
+
+@pytest.mark.parametrize("wire", ["bf16", "fp16"])
+def test_threaded_numba_wire_loops_without_the_compiled_ones(wire: str) -> None:
+    """With the extension built, threaded wire calls run its loops block by block; the Numba loops that serve
+    them without it give the oracle's bits too (random bit patterns: NaNs, subnormals, both infinities)."""
+    rng = np.random.default_rng(27)
+    m = 200_003
+    u = rng.integers(0, 2**32, m, dtype=np.uint64).astype(np.uint32)
+    want = np.empty(m, np.uint16)
+    R.encode(u.view(np.float32), want, wire, False)
+    got = np.zeros(m, np.uint16)
+    numba_lowp.encode_parallel(u, got, numba_lowp._fmt(wire))
+    assert got.tobytes() == want.tobytes()
+    acc0 = rng.standard_normal(m).astype(np.float32)
+    w = rng.integers(0, 2**16, m, dtype=np.uint32).astype(np.uint16)
+    for d in (None, 2, 3):
+        a1, a2 = acc0.copy(), acc0.copy()
+        R.accumulate(a1, w, wire, d, False)
+        mode, f = reference.finish(d, np.dtype(np.float32))
+        numba_lowp.accumulate_parallel(a2, w, R.fp16_table(), numba_lowp._fmt(wire), np.float32(f), mode, False)
+        assert a1.tobytes() == a2.tobytes(), d

@@ -97,7 +97,7 @@ def test_what_this_machine_runs() -> None:
     assert resolve("finite", SMALL) is cython_backend and resolve("scale", LARGE) is numba_cpu
     assert resolve("accumulate", LARGE, half=True) is numpy_backend
     assert resolve("lowp", SMALL) is cython_lowp and resolve("lowp", LARGE) is numba_lowp  # bf16: threads when large
-    assert resolve("lowp", SMALL, half=True) is cython_lowp and resolve("lowp", LARGE, half=True) is cython_lowp  # fp16
+    assert resolve("lowp", SMALL, half=True) is cython_lowp and resolve("lowp", LARGE, half=True) is numba_lowp  # fp16 too
     assert resolve("lowp", LARGE, backend="cython") is cython_lowp and resolve("lowp", LARGE, backend="numba") is numba_lowp
     assert resolve("lowp", SMALL, backend="numpy") is lowp_reference
     assert resolve("exact", SMALL) is numba_exact and resolve("exact", SMALL, backend="cython") is numba_exact
@@ -153,8 +153,8 @@ def test_fast_path_follows_the_table(monkeypatch: pytest.MonkeyPatch) -> None:
     for other in ("numba", "numpy", "cudasim"):
         assert fast_path("reduce", other) is None
     assert fast_path("finite") is None
-    lowp = fast_path("lowp")  # encode, accumulate, bf16 limit (then threads), fp16 limit (every size)
-    assert lowp is not None and len(lowp) == 4 and lowp[2] == select.SMALL_ELEMS and lowp[3] > 1 << 40
+    lowp = fast_path("lowp")  # encode, accumulate, bf16 limit, fp16 limit (then threads, F16C loops for fp16)
+    assert lowp is not None and len(lowp) == 4 and lowp[2] == lowp[3] == select.SMALL_ELEMS
     named = fast_path("lowp", "cython")
     assert named is not None and named[2] > 1 << 40 and named[3] > 1 << 40
     assert fast_path("lowp", "numba") is None
@@ -251,3 +251,67 @@ def test_the_facade_reads_no_private_environ() -> None:
 
     for mod in (select, K, _compiled, _lowp, _validate):
         assert not re.search(r"environ\._data", inspect.getsource(mod)), mod.__name__
+
+
+@pytest.mark.skipif(not {"cython", "numba"} <= set(AVAILABLE), reason="needs the compiled extension and Numba: "
+                    "pip install -e . with numba installed")
+def test_large_plain_calls_go_from_the_fast_entry_to_the_threaded_kernels(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Above SMALL_ELEMS a plain automatic call is validated in C and handed to the threaded Numba kernels (the
+    facade's Python checks are skipped); the results are the reference's bits, a NaN is located as before, and
+    anything the entry does not take (read-only or 2-D inputs, more than GROUP inputs) goes the general way."""
+    from gradcoll.kernels import lowp_reference, numba_cpu, numba_lowp, reference
+    from gradcoll.kernels._compiled import extension
+
+    monkeypatch.delenv("GRADCOLL_KERNELS", raising=False)
+    calls: list[str] = []
+
+    def spy(name: str, fn: Any) -> Any:
+        def run(*args: Any) -> Any:
+            calls.append(name)
+            return fn(*args)
+        return run
+
+    resolve("reduce", LARGE)  # the first resolution to Numba registers the kernels
+    ext = extension()
+    ext.set_threaded(spy("reduce", numba_cpu.reduce_plain), numba_cpu.GROUP, spy("acc", numba_cpu.accumulate),
+                     spy("enc", numba_lowp.lowp_encode), spy("accw", numba_lowp.lowp_accumulate))
+    try:
+        rng = np.random.default_rng(3)
+        m = LARGE + 5
+        rows = [rng.standard_normal(m).astype(np.float32) for _ in range(9)]
+        for n in (2, 3, 8, 9):
+            want = np.empty(m, np.float32)
+            reference.reduce_rows(rows[:n], want, np.dtype(np.float32), n, True)
+            got = K.mean_reduce(rows[:n])
+            assert got.tobytes() == want.tobytes(), n
+        assert calls == ["reduce"] * 3  # 9 inputs: more than one pass, the general way
+        ro = [r.copy() for r in rows[:2]]
+        ro[1].flags.writeable = False
+        two = K.mean_reduce(rows[:2]).tobytes()
+        assert K.mean_reduce(ro).tobytes() == two
+        assert K.mean_reduce(np.stack(rows[:2])).tobytes() == two
+        assert calls == ["reduce"] * 4
+        bad = [r.copy() for r in rows[:4]]
+        bad[2][m - 7] = np.nan
+        with pytest.raises(gradcoll.NonFiniteError) as ei:
+            K.mean_reduce(bad)
+        assert (ei.value.contributor, ei.value.index) == (2, m - 7)
+        acc, want = rows[0].copy(), rows[0].copy()
+        reference.accumulate(want, rows[1], None, 2, True)
+        K.accumulate(acc, rows[1], divide_by=2)
+        assert acc.tobytes() == want.tobytes()
+        w = K.encode_wire(rows[1], wire="bf16")
+        ref = np.empty(m, np.uint16)
+        lowp_reference.lowp_encode(rows[1], ref, "bf16", True)
+        assert w.tobytes() == ref.tobytes()
+        acc2 = rows[0].copy()
+        K.accumulate_wire(acc2, w, "bf16", divide_by=2)
+        assert calls[-3:] == ["acc", "enc", "accw"]
+        w[m - 2] = 0x7FC0  # a NaN on the wire
+        with pytest.raises(gradcoll.NonFiniteError) as ei:
+            K.accumulate_wire(rows[0].copy(), w, "bf16")
+        assert (ei.value.contributor, ei.value.index) == (1, m - 2)
+    finally:
+        select._threaded.cache_clear()
+        ext.set_threaded(None, 0, None, None, None)
+        select._threaded(ext)
