@@ -130,29 +130,44 @@ cdef inline void _frame_iov(msghdr* msg, iovec* iov, uint8_t* h, uint8_t* p, Py_
     msg.msg_iov = iov
 
 
+cdef inline Py_ssize_t _move(int fd, uint8_t* h, uint8_t* p, Py_ssize_t off, Py_ssize_t total, bint send,
+                             int* err, int* eof) noexcept nogil:
+    """``sendmsg`` (``send``) or ``recvmsg`` from byte ``off`` until the frame is done or the socket would block; a
+    receive also stops when the peer closed the stream (``eof``) and as soon as the header is complete, so that
+    it is checked before a byte of payload is trusted. The new offset; ``err``: an errno that stopped it."""
+    cdef iovec iov[2]
+    cdef msghdr msg
+    cdef ssize_t n
+    while off < total:
+        _frame_iov(&msg, iov, h, p, off, total)
+        n = sendmsg(fd, &msg, MSG_DONTWAIT | MSG_NOSIGNAL) if send else recvmsg(fd, &msg, MSG_DONTWAIT)
+        if n < 0:
+            if errno == EINTR:
+                continue
+            if errno != EAGAIN and errno != EWOULDBLOCK:
+                err[0] = errno
+            break
+        if n == 0 and not send:
+            eof[0] = 1
+            break
+        if not send and off < HDR <= off + n:
+            off += n
+            break
+        off += n
+    return off
+
+
 def push(int fd, const uint8_t[::1] hdr, const uint8_t[::1] payload, Py_ssize_t off):
     """Send header and payload from byte ``off`` (header first) until done or the socket is full.
 
     Returns ``(off, err)``: the bytes sent so far and 0, or an errno.
     """
     cdef Py_ssize_t total = HDR + payload.shape[0]
-    cdef ssize_t n
-    cdef int err = 0
-    cdef iovec iov[2]
-    cdef msghdr msg
+    cdef int err = 0, eof = 0
     cdef const uint8_t* h = &hdr[0]
     cdef const uint8_t* p = &payload[0] if payload.shape[0] else NULL
     with nogil:
-        while off < total:
-            _frame_iov(&msg, iov, <uint8_t*>h, <uint8_t*>p, off, total)
-            n = sendmsg(fd, &msg, MSG_DONTWAIT | MSG_NOSIGNAL)
-            if n < 0:
-                if errno == EINTR:
-                    continue
-                if errno != EAGAIN and errno != EWOULDBLOCK:
-                    err = errno
-                break
-            off += n
+        off = _move(fd, <uint8_t*>h, <uint8_t*>p, off, total, True, &err, &eof)
     return off, err
 
 
@@ -163,29 +178,11 @@ def pull(int fd, uint8_t[::1] hdr, uint8_t[::1] payload, Py_ssize_t off):
     and whether the peer closed the stream.
     """
     cdef Py_ssize_t total = HDR + payload.shape[0]
-    cdef ssize_t n
     cdef int err = 0, eof = 0
-    cdef iovec iov[2]
-    cdef msghdr msg
     cdef uint8_t* h = &hdr[0]
     cdef uint8_t* p = &payload[0] if payload.shape[0] else NULL
     with nogil:
-        while off < total:
-            _frame_iov(&msg, iov, h, p, off, total)
-            n = recvmsg(fd, &msg, MSG_DONTWAIT)
-            if n < 0:
-                if errno == EINTR:
-                    continue
-                if errno != EAGAIN and errno != EWOULDBLOCK:
-                    err = errno
-                break
-            if n == 0:
-                eof = 1
-                break
-            if off < HDR <= off + n:
-                off += n
-                break  # the header is complete: the transport checks it before reading on
-            off += n
+        off = _move(fd, h, p, off, total, False, &err, &eof)
     return off, err, eof
 
 
@@ -295,13 +292,8 @@ def exchange(int fd, int wake, cnp.ndarray acc, cnp.ndarray tmp, uint32_t tag, u
     cdef uint8_t* b = <uint8_t*>cnp.PyArray_DATA(tmp)
     cdef uint8_t sh[HDR]
     cdef uint8_t rh[HDR]
-    cdef Py_ssize_t total = HDR + nbytes, soff = 0, roff = 0
+    cdef Py_ssize_t total = HDR + nbytes, soff = 0, roff = 0, before
     cdef int serr = 0, rerr = 0, eof = 0, bad = 0, moved, ready, ms, outcome = X_STOPPED, mode
-    cdef ssize_t n
-    cdef iovec siov[2]
-    cdef iovec riov[2]
-    cdef msghdr smsg
-    cdef msghdr rmsg
     cdef pollfd pfd[2]
     cdef double now, spin_end, end, f
     if check_input and m and not (gc_finite_d(<double*>a, m) if is64 else gc_finite_f(<float*>a, m)):
@@ -313,38 +305,20 @@ def exchange(int fd, int wake, cnp.ndarray acc, cnp.ndarray tmp, uint32_t tag, u
         spin_end = now + spin
         end = now + timeout
         while True:
-            moved = 0
-            while soff < total:  # everything the socket takes now
-                _frame_iov(&smsg, siov, sh, a, soff, total)
-                n = sendmsg(fd, &smsg, MSG_DONTWAIT | MSG_NOSIGNAL)
-                if n < 0:
-                    if errno == EINTR:
-                        continue
-                    if errno != EAGAIN and errno != EWOULDBLOCK:
-                        serr = errno
-                    break
-                soff += n
-                moved = 1
+            before = soff
+            soff = _move(fd, sh, a, soff, total, True, &serr, &eof)  # everything the socket takes now
+            moved = soff > before
             if serr:
                 break
-            while roff < total:  # everything already here, checking the header once it is complete
-                _frame_iov(&rmsg, riov, rh, b, roff, total)
-                n = recvmsg(fd, &rmsg, MSG_DONTWAIT)
-                if n < 0:
-                    if errno == EINTR:
-                        continue
-                    if errno != EAGAIN and errno != EWOULDBLOCK:
-                        rerr = errno
-                    break
-                if n == 0:
-                    eof = 1
-                    break
-                moved = 1
-                if roff < HDR <= roff + n and not _is_header(rh, tag, rseq, nbytes):
-                    roff += n
+            while roff < total:  # everything already here, the header checked once it is complete
+                before = roff
+                roff = _move(fd, rh, b, roff, total, False, &rerr, &eof)
+                moved = moved or roff > before
+                if not (before < HDR <= roff):
+                    break  # in whole, or nothing more to read now, or an error, or the end of the stream
+                if not _is_header(rh, tag, rseq, nbytes):
                     bad = 1
                     break
-                roff += n
             if rerr or eof or bad:
                 break
             if soff == total and roff == total:

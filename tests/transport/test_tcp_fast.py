@@ -23,6 +23,7 @@ from gradcoll.transport import frame as fr
 from gradcoll.transport import tcp, tcp_fast
 from gradcoll.transport.frame import FrameMismatch
 from tests.faults._harness import problems, run_collective_fault
+from tests.transport.test_tcp import _read_exactly as _read
 
 pytestmark = [pytest.mark.timeout(120),
               pytest.mark.skipif(tcp._IO is None, reason="gradcoll.transport._tcp_io is not built: `make install`")]
@@ -347,11 +348,3 @@ def test_close_from_another_thread_ends_the_step(raw) -> None:
     th.join(10)
     assert not th.is_alive() and len(errors) == 1 and isinstance(errors[0], TransportClosed), errors
 
-
-def _read(sock: socket.socket, n: int) -> bytes:
-    out = bytearray()
-    while len(out) < n:
-        part = sock.recv(n - len(out))
-        assert part, "the stream ended early"
-        out += part
-    return bytes(out)
