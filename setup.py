@@ -3,7 +3,8 @@
 * ``gradcoll.kernels._cython_kernels``: the reduction kernels with the lowest per-call cost;
 * ``gradcoll.transport._window_c``: the waiting protocol of shared windows (futex, liveness probes);
 * ``gradcoll.algorithms._direct_c``: the direct allreduce over a window, one ``nogil`` call per collective.
-* ``gradcoll.transport._tcp_io``: the tcp transport's send/receive/wait loops, without the GIL.
+* ``gradcoll.transport._tcp_io``: the tcp transport's send/receive/wait loops, without the GIL, and its
+  small exchange-and-reduce step (``_fused.h``'s accumulate).
 
 Floating-point contraction is off: the kernels and the deterministic reduction rely on every
 multiply and add being rounded on its own, as IEEE says (an FMA would change its bits).
@@ -29,8 +30,11 @@ exts = [
               extra_compile_args=exact + (["-Wno-unused-function"] if os.name != "nt" else [])),  # uses a few of _fused.h's
 ]
 
-# The tcp transport's send/receive/wait loops (gradcoll/transport/_tcp_io.pyx); POSIX sockets only.
+# The tcp transport's send/receive/wait loops and its small exchange-and-reduce step
+# (gradcoll/transport/_tcp_io.pyx, with a few of _fused.h's loops); POSIX sockets only.
 if os.name == "posix":
-    exts.append(Extension("gradcoll.transport._tcp_io", ["gradcoll/transport/_tcp_io.pyx"], extra_compile_args=flags))
+    exts.append(Extension("gradcoll.transport._tcp_io", ["gradcoll/transport/_tcp_io.pyx"],
+                          include_dirs=[np.get_include()], define_macros=macros, depends=["gradcoll/kernels/_fused.h"],
+                          extra_compile_args=exact + ["-Wno-unused-function"]))
 
 setup(ext_modules=cythonize(exts, compiler_directives={"language_level": "3"}))

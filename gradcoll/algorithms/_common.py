@@ -35,6 +35,7 @@ __all__ = [
     "combiner",
     "plant",
     "Coll",
+    "TRANSLATED",
     "Workspace",
 ]
 
@@ -137,6 +138,10 @@ def combiner(opts: Options, n: int) -> Callable[[np.ndarray, np.ndarray, bool], 
     return combine_minmax
 
 
+#: The transport errors a collective rewords (``Coll.translate``) with its rank, operation, step and seq.
+TRANSLATED = (CollectiveTimeout, TransportClosed, TransportBroken, CollectiveMismatch)
+
+
 class Coll:
     """One running collective on one rank: identity, progress, and error wording."""
 
@@ -213,14 +218,14 @@ class Coll:
         """Start a send to ``peer``."""
         try:
             return self.t.isend(peer, buf, tag)
-        except (CollectiveTimeout, TransportClosed, TransportBroken, CollectiveMismatch) as exc:
+        except TRANSLATED as exc:
             raise self.translate(exc, peer) from exc
 
     def irecv(self, peer: int, out: Any, tag: int) -> Request:
         """Start a receive from ``peer`` (remembered until waited for, for the error path)."""
         try:
             req = self.t.irecv(peer, out, tag)
-        except (CollectiveTimeout, TransportClosed, TransportBroken, CollectiveMismatch) as exc:
+        except TRANSLATED as exc:
             raise self.translate(exc, peer) from exc
         if self.pending is not None:
             self.pending[req] = peer
@@ -231,7 +236,7 @@ class Coll:
         t0 = time.perf_counter()
         try:
             n = req.wait(self.deadline.remaining())
-        except (CollectiveTimeout, TransportClosed, TransportBroken, CollectiveMismatch) as exc:
+        except TRANSLATED as exc:
             raise self.translate(exc, peer) from exc
         finally:
             self.t.note_wait(time.perf_counter() - t0)  # ProcessGroup.stats() "wait time"
@@ -252,7 +257,7 @@ class Coll:
         t0 = time.perf_counter()
         try:
             self.t.sendrecv(peer, sendbuf, peer, recvbuf, tag, self.deadline.remaining())
-        except (CollectiveTimeout, TransportClosed, TransportBroken, CollectiveMismatch) as exc:
+        except TRANSLATED as exc:
             raise self.translate(exc, peer) from exc
         finally:
             self.t.note_wait(time.perf_counter() - t0)

@@ -26,18 +26,31 @@ An overflow sets element 0 of the partial to NaN, which every later round
 carries to every rank, so all ranks detect it together; a bad input was
 planted there before the data moved (see ``gradcoll.algorithms._guard``, which also carries
 the mismatch and timeout checks). See docs/algorithms/recursive_doubling.md.
+
+Small buffers on a power-of-two group over a transport with a compiled
+exchange-and-reduce (``Transport.exchange_reduce``: tcp's, for small float32
+and float64 mean/sum) take ``_stepped``: the same rounds, tags and bits,
+one compiled call per round (send, receive, header check, fused reduce and
+finite check), and the frame of the guard reduced to what the happy path
+needs. The error path is the guard's: on any failure it builds the
+collective's ``Coll`` as the guard would have and calls ``fail``. A rank
+whose input is not finite, or whose transport declines the first round,
+runs the guard's general path instead (its frames are the same).
 """
 
 from __future__ import annotations
 
+import math
+import time
 from collections.abc import Callable
 
 import numpy as np
 
 from ..transport.base import Transport
 from . import tags
-from ._common import Coll, Options, Workspace, combiner, scratch
-from ._guard import guarded_allreduce
+from ._common import TRANSLATED, Coll, Options, Workspace, combiner, scratch
+from ._guard import ERRORS, fail, guarded_allreduce
+from ._handshake import descriptor
 
 __all__ = ["recursive_doubling_allreduce", "butterfly", "rd_pass"]
 
@@ -46,6 +59,9 @@ def recursive_doubling_allreduce(transport: Transport, buf: np.ndarray, *, op: s
                                  seq: int = 0, timeout: float | None = None, workspace: Workspace | None = None,
                                  backend: str | None = None) -> np.ndarray:
     """Allreduce ``buf`` in place by recursive doubling; returns ``buf``."""
+    if type(buf) is np.ndarray and op in _STEP_OPS and backend in (None, "cython") \
+            and _stepped(transport, buf, op, check_finite, seq, timeout, workspace):
+        return buf
     return guarded_allreduce(transport, buf, Options(op, check_finite, seq, timeout, workspace, backend),
                              name="recursive-doubling allreduce", algo="recursive_doubling", body=rd_pass)
 
@@ -105,3 +121,75 @@ def rd_pass(coll: Coll, flat: np.ndarray, opts: Options, divisor: int | None = N
             combine(flat, tmp, k == last)
 
     butterfly(coll, flat, (tags.RD_FOLD, tags.RD_ROUND, tags.RD_UNFOLD), fold_in, exchange)
+
+
+_NAME = "recursive-doubling allreduce"
+_STEP_OPS = ("mean", "sum")
+_STEP_DTYPES = (np.dtype(np.float32), np.dtype(np.float64))
+_DECLINED, _MOVED = -1, 0  # the outcomes of exchange_reduce this module acts on (gradcoll.transport.tcp_fast)
+
+
+def _stepped(t: Transport, buf: np.ndarray, op: str, check: bool, seq: int, timeout: float | None,
+             ws: Workspace | None) -> bool:
+    """The allreduce of ``buf`` with one compiled exchange-and-reduce per round; False: declined, nothing moved.
+
+    The guard's frame without its happy-path costs: the same descriptor tag
+    (so a rank on the general path meets the same frames), the input's
+    finite check inside the first compiled call, and the marker read from
+    the last round's own check. Runs where the size is a power of two and
+    ``t`` has ``exchange_reduce``.
+    """
+    step = getattr(t, "exchange_reduce", None)
+    n = t.size
+    if step is None or n < 2 or n & (n - 1) or buf.dtype not in _STEP_DTYPES or not buf.flags.c_contiguous \
+            or not buf.flags.writeable:
+        return False
+    flat = buf.reshape(-1)
+    if flat.nbytes > t.stray_limit:
+        t.stray_limit = flat.nbytes  # as the guard does: frames of this call may arrive as strays
+    desc = descriptor("allreduce", "recursive_doubling", op, flat.dtype, flat.size, seq)
+    tag0 = tags.descriptor_tag(desc + (check,), tags.PLAIN)
+    tmp = scratch(ws, "rd", flat.size, flat.dtype)
+    rounds, me = n.bit_length() - 1, t.rank
+    limit = t.timeout if timeout is None else timeout
+    started = time.monotonic()
+    coll: Coll | None = None
+    for k in range(rounds):
+        peer, last = me ^ (1 << k), k == rounds - 1
+        t0 = time.perf_counter()
+        try:
+            how = step(peer, flat, tmp, tag0 + tags.RD_ROUND, max(0.0, started + limit - time.monotonic()),
+                       n if last and op == "mean" else 1, check and k == 0, check)
+        except ERRORS as exc:
+            coll = _coll(t, flat, seq, limit, started, desc, tag0, rounds, k)
+            fail(coll, coll.translate(exc, peer) if isinstance(exc, TRANSLATED) else exc)
+        finally:
+            t.note_wait(time.perf_counter() - t0)  # as Coll.sendrecv counts it (ProcessGroup.stats() "wait time")
+        if how == _DECLINED and k == 0:
+            return False
+        if how <= _MOVED:  # moved by the engine, or (another thread's work queued) to move on the general path
+            coll = coll or _coll(t, flat, seq, limit, started, desc, tag0, rounds, k)
+            coll.step = k + 1
+            if how == _DECLINED:
+                try:
+                    coll.sendrecv(peer, flat, tmp, tag0 + tags.RD_ROUND)
+                except ERRORS as exc:
+                    fail(coll, exc)
+            if flat.size:
+                combiner(Options(op, check, seq, limit), n)(flat, tmp, last)
+    if check and flat.size and not math.isfinite(flat[0]):  # the marker every round carried on
+        coll = coll or _coll(t, flat, seq, limit, started, desc, tag0, rounds, rounds - 1)
+        fail(coll, None, (0, float(flat[0])))
+    return True
+
+
+def _coll(t: Transport, flat: np.ndarray, seq: int, limit: float, started: float, desc: tuple[int, ...],
+          tag0: int, rounds: int, k: int) -> Coll:
+    """The ``Coll`` the guard would have run this call with, at round ``k``: for the error path and the general
+    rounds."""
+    coll = Coll(t, _NAME, seq, flat.nbytes, limit)
+    coll.started, coll.desc, coll.tag0, coll.pending = started, desc, tag0, {}
+    coll.begin(rounds)
+    coll.deadline.at = started + limit  # the call's deadline, not a fresh one
+    coll.step = k + 1
+    return coll

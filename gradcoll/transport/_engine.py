@@ -85,6 +85,9 @@ class FramedTransport(Transport):
         self._sleepers = 0  # threads waiting on the condition while another drives
         self._woken: Callable[[int], BaseException] | None = None  # set by interrupt(), raised by the next wait
         self._busy: dict[Link, None] = {}  # links with queued work, in insertion order
+        # The link whose socket a compiled step (gradcoll.transport.tcp_fast) moves bytes on, outside the lock,
+        # while this thread drives: no other thread writes to it meanwhile; it wakes the step instead.
+        self._stepping: Link | None = None
 
     #: Try to read at ``irecv`` time (cheap for memory rings, a wasted syscall for sockets).
     _eager_pull = False
@@ -129,7 +132,7 @@ class FramedTransport(Transport):
             (link.sendq if is_send else link.recvq).append(op)
             self._busy[link] = None
             if is_send:
-                if len(link.sendq) == 1:
+                if len(link.sendq) == 1 and link is not self._stepping:
                     self._push(link)  # inline: a small message completes right here
             elif self._eager_pull and len(link.recvq) == 1:
                 self._pull(link)
@@ -224,6 +227,14 @@ class FramedTransport(Transport):
             if not op.done and not self._driving and self._progress() and self._sleepers:
                 self._cv.notify_all()
             return op.done
+
+    def _queued(self) -> bool:
+        """True when a link has queued work (lock held); forgets the busy links whose queues have emptied."""
+        for link in list(self._busy):
+            if link.sendq or link.recvq:
+                return True
+            del self._busy[link]
+        return False
 
     def _progress(self) -> bool:
         """Move bytes on every busy link without blocking; True if an op finished."""
@@ -370,6 +381,9 @@ class FramedTransport(Transport):
         with self._mu:
             if self.closed:
                 return
+            if self._stepping is not None:  # a compiled step owns a socket: wake it, let it hand over first
+                self._wake_driver()
+                self._cv.wait_for(lambda: self._stepping is None, timeout=5.0)
             self.closed = True
             for link in self._links:
                 if link is not None:

@@ -10,10 +10,23 @@ idle: poll without blocking, yielding the CPU (``sched_yield``) in between,
 for ``spin`` seconds, then block in ``poll``. None of them holds the GIL
 while it runs, and none allocates. Errors come back as an errno, never
 raised: the transport words them (``gradcoll.transport.tcp``).
+
+``exchange`` is one whole step of a small exchange-and-reduce (a
+recursive-doubling round, ``gradcoll.transport.tcp_fast``): this rank's
+frame out and the peer's in, both directions at once, the peer's header
+checked as the engine checks it, then the received payload added into the
+sent buffer with the fused accumulate and finite check of
+``gradcoll.kernels`` (``_fused.h``, the same loop and so the same bits as
+``gradcoll.kernels.accumulate``). Anything it does not expect ends the
+call with what it has moved, for the engine to carry on from.
 """
 
+cimport numpy as cnp
 from libc.errno cimport EAGAIN, EINTR, errno
-from libc.stdint cimport uint8_t
+from libc.math cimport NAN, frexp
+from libc.stdint cimport uint8_t, uint32_t, uint64_t
+
+cnp.import_array()
 
 
 cdef extern from "<errno.h>" nogil:
@@ -62,8 +75,32 @@ cdef extern from "<time.h>" nogil:
     int CLOCK_MONOTONIC
 
 
+cdef extern from "../kernels/_fused.h" nogil:
+    ctypedef Py_ssize_t gc_ssize
+    enum:
+        GC_NONE
+        GC_MUL
+        GC_DIV
+    int gc_acc_f(float* acc, const float* x, gc_ssize m, float d, int mode, float sc, int doscale)
+    int gc_acc_d(double* acc, const double* x, gc_ssize m, double d, int mode, double sc, int doscale)
+    int gc_finite_f(const float* p, gc_ssize m)
+    int gc_finite_d(const double* p, gc_ssize m)
+
+
 cdef enum:
     HDR = 24
+    KIND_DATA = 1
+    POLLIN_ = 0x001
+    POLLOUT_ = 0x004
+
+#: ``exchange``'s outcomes: reduced (finite, or not checked); reduced with a non-finite result (marked NaN at
+#: element 0); the input is not finite (nothing sent); stopped early (the offsets and errors say where).
+cdef enum:
+    X_DONE = 0
+    X_NONFINITE = 1
+    X_BAD_INPUT = 2
+    X_STOPPED = 3
+DONE, NONFINITE, BAD_INPUT, STOPPED = X_DONE, X_NONFINITE, X_BAD_INPUT, X_STOPPED
 
 
 cdef inline double _now() noexcept nogil:
@@ -93,29 +130,44 @@ cdef inline void _frame_iov(msghdr* msg, iovec* iov, uint8_t* h, uint8_t* p, Py_
     msg.msg_iov = iov
 
 
+cdef inline Py_ssize_t _move(int fd, uint8_t* h, uint8_t* p, Py_ssize_t off, Py_ssize_t total, bint send,
+                             int* err, int* eof) noexcept nogil:
+    """``sendmsg`` (``send``) or ``recvmsg`` from byte ``off`` until the frame is done or the socket would block; a
+    receive also stops when the peer closed the stream (``eof``) and as soon as the header is complete, so that
+    it is checked before a byte of payload is trusted. The new offset; ``err``: an errno that stopped it."""
+    cdef iovec iov[2]
+    cdef msghdr msg
+    cdef ssize_t n
+    while off < total:
+        _frame_iov(&msg, iov, h, p, off, total)
+        n = sendmsg(fd, &msg, MSG_DONTWAIT | MSG_NOSIGNAL) if send else recvmsg(fd, &msg, MSG_DONTWAIT)
+        if n < 0:
+            if errno == EINTR:
+                continue
+            if errno != EAGAIN and errno != EWOULDBLOCK:
+                err[0] = errno
+            break
+        if n == 0 and not send:
+            eof[0] = 1
+            break
+        if not send and off < HDR <= off + n:
+            off += n
+            break
+        off += n
+    return off
+
+
 def push(int fd, const uint8_t[::1] hdr, const uint8_t[::1] payload, Py_ssize_t off):
     """Send header and payload from byte ``off`` (header first) until done or the socket is full.
 
     Returns ``(off, err)``: the bytes sent so far and 0, or an errno.
     """
     cdef Py_ssize_t total = HDR + payload.shape[0]
-    cdef ssize_t n
-    cdef int err = 0
-    cdef iovec iov[2]
-    cdef msghdr msg
+    cdef int err = 0, eof = 0
     cdef const uint8_t* h = &hdr[0]
     cdef const uint8_t* p = &payload[0] if payload.shape[0] else NULL
     with nogil:
-        while off < total:
-            _frame_iov(&msg, iov, <uint8_t*>h, <uint8_t*>p, off, total)
-            n = sendmsg(fd, &msg, MSG_DONTWAIT | MSG_NOSIGNAL)
-            if n < 0:
-                if errno == EINTR:
-                    continue
-                if errno != EAGAIN and errno != EWOULDBLOCK:
-                    err = errno
-                break
-            off += n
+        off = _move(fd, <uint8_t*>h, <uint8_t*>p, off, total, True, &err, &eof)
     return off, err
 
 
@@ -126,29 +178,11 @@ def pull(int fd, uint8_t[::1] hdr, uint8_t[::1] payload, Py_ssize_t off):
     and whether the peer closed the stream.
     """
     cdef Py_ssize_t total = HDR + payload.shape[0]
-    cdef ssize_t n
     cdef int err = 0, eof = 0
-    cdef iovec iov[2]
-    cdef msghdr msg
     cdef uint8_t* h = &hdr[0]
     cdef uint8_t* p = &payload[0] if payload.shape[0] else NULL
     with nogil:
-        while off < total:
-            _frame_iov(&msg, iov, h, p, off, total)
-            n = recvmsg(fd, &msg, MSG_DONTWAIT)
-            if n < 0:
-                if errno == EINTR:
-                    continue
-                if errno != EAGAIN and errno != EWOULDBLOCK:
-                    err = errno
-                break
-            if n == 0:
-                eof = 1
-                break
-            if off < HDR <= off + n:
-                off += n
-                break  # the header is complete: the transport checks it before reading on
-            off += n
+        off = _move(fd, h, p, off, total, False, &err, &eof)
     return off, err, eof
 
 
@@ -188,3 +222,138 @@ def wait(int[::1] fds, short[::1] events, short[::1] revents, double spin, doubl
     for i in range(k):
         revents[i] = pfd[i].revents
     return max(ready, 0)
+
+
+cdef inline void _put_header(uint8_t* h, uint32_t tag, uint64_t seq, uint64_t length) noexcept nogil:
+    """A DATA header, as ``frame.pack_header`` writes it (little-endian ``<B3xIQQ``)."""
+    cdef int i
+    h[0] = KIND_DATA
+    h[1] = h[2] = h[3] = 0
+    for i in range(4):
+        h[4 + i] = (tag >> (8 * i)) & 0xFF
+    for i in range(8):
+        h[8 + i] = (seq >> (8 * i)) & 0xFF
+        h[16 + i] = (length >> (8 * i)) & 0xFF
+
+
+cdef inline bint _is_header(const uint8_t* h, uint32_t tag, uint64_t seq, uint64_t length) noexcept nogil:
+    """True when ``h`` is exactly the DATA header a receive of (``seq``, ``tag``, ``length``) expects."""
+    cdef uint8_t want[HDR]
+    cdef int i
+    _put_header(want, tag, seq, length)
+    for i in range(HDR):
+        if i not in (1, 2, 3) and h[i] != want[i]:  # the padding is not the codec's business either
+            return False
+    return True
+
+
+cdef inline int _finish(double divisor, double* f) noexcept nogil:
+    """How a sum is divided, exactly as ``gradcoll.kernels``' accumulate does: not at all, by an exact
+    reciprocal (a power of two in float32's normal range), or by dividing."""
+    cdef int e
+    if divisor == 1.0:
+        f[0] = 1.0
+        return GC_NONE
+    if frexp(divisor, &e) == 0.5 and -120 < e < 120:  # the reciprocal is a normal float32 too: same bits
+        f[0] = 1.0 / divisor
+        return GC_MUL
+    f[0] = divisor
+    return GC_DIV
+
+
+def exchange(int fd, int wake, cnp.ndarray acc, cnp.ndarray tmp, uint32_t tag, uint64_t sseq, uint64_t rseq,
+             double spin, double timeout, double divisor, bint check_input, bint check):
+    """One exchange-and-reduce with the peer on ``fd``: ``acc`` out (frame ``sseq``), ``tmp`` in (frame ``rseq``),
+    then ``acc += tmp`` (divided by ``divisor``) with the finite check when ``check``.
+
+    ``acc`` and ``tmp`` are C-contiguous arrays of one float dtype (float32 or
+    float64) and size. ``check_input``: first check ``acc`` itself, and send
+    nothing when it is not finite. Waits as ``wait`` does (``spin`` seconds of
+    polling, then blocking) for at most ``timeout`` seconds (< 0: no limit),
+    and stops when ``wake`` is readable (another thread queued work).
+
+    Returns ``(outcome, sent, received, send_errno, recv_errno, eof, header)``:
+    the outcome (``DONE``, ``NONFINITE``, ``BAD_INPUT`` or ``STOPPED``), the
+    bytes of each frame moved, header included, the errno that stopped either
+    direction (0: none), whether the peer closed the stream, and on
+    ``STOPPED`` the header bytes received so far (None when none). It stops
+    as soon as a complete header is not the expected DATA header (seq, tag,
+    length): the caller's engine then judges it. On ``STOPPED`` nothing is
+    reduced.
+    """
+    cdef int is64 = cnp.PyArray_TYPE(acc) == cnp.NPY_DOUBLE
+    cdef Py_ssize_t m = cnp.PyArray_SIZE(acc), nbytes = cnp.PyArray_NBYTES(acc)
+    if (not is64 and cnp.PyArray_TYPE(acc) != cnp.NPY_FLOAT) or cnp.PyArray_TYPE(tmp) != cnp.PyArray_TYPE(acc) \
+            or cnp.PyArray_SIZE(tmp) != m or not cnp.PyArray_IS_C_CONTIGUOUS(acc) \
+            or not cnp.PyArray_IS_C_CONTIGUOUS(tmp) or not cnp.PyArray_ISWRITEABLE(acc) \
+            or not cnp.PyArray_ISWRITEABLE(tmp):
+        raise ValueError("exchange takes two writeable C-contiguous float32 or float64 arrays of one size")
+    cdef uint8_t* a = <uint8_t*>cnp.PyArray_DATA(acc)
+    cdef uint8_t* b = <uint8_t*>cnp.PyArray_DATA(tmp)
+    cdef uint8_t sh[HDR]
+    cdef uint8_t rh[HDR]
+    cdef Py_ssize_t total = HDR + nbytes, soff = 0, roff = 0, before
+    cdef int serr = 0, rerr = 0, eof = 0, bad = 0, moved, ready, ms, outcome = X_STOPPED, mode
+    cdef pollfd pfd[2]
+    cdef double now, spin_end, end, f
+    if check_input and m and not (gc_finite_d(<double*>a, m) if is64 else gc_finite_f(<float*>a, m)):
+        return X_BAD_INPUT, 0, 0, 0, 0, False, None
+    _put_header(sh, tag, sseq, nbytes)
+    mode = _finish(divisor, &f)
+    with nogil:
+        now = _now()
+        spin_end = now + spin
+        end = now + timeout
+        while True:
+            before = soff
+            soff = _move(fd, sh, a, soff, total, True, &serr, &eof)  # everything the socket takes now
+            moved = soff > before
+            if serr:
+                break
+            while roff < total:  # everything already here, the header checked once it is complete
+                before = roff
+                roff = _move(fd, rh, b, roff, total, False, &rerr, &eof)
+                moved = moved or roff > before
+                if not (before < HDR <= roff):
+                    break  # in whole, or nothing more to read now, or an error, or the end of the stream
+                if not _is_header(rh, tag, rseq, nbytes):
+                    bad = 1
+                    break
+            if rerr or eof or bad:
+                break
+            if soff == total and roff == total:
+                if m == 0:
+                    outcome = X_DONE
+                elif is64:
+                    outcome = X_DONE if gc_acc_d(<double*>a, <double*>b, m, f, mode, 1.0, 0) or not check else X_NONFINITE
+                else:
+                    outcome = X_DONE if gc_acc_f(<float*>a, <float*>b, m, <float>f, mode, 1.0, 0) or not check \
+                        else X_NONFINITE
+                if outcome == X_NONFINITE:  # the marker every later round carries on (``_common.plant``)
+                    if is64:
+                        (<double*>a)[0] = NAN
+                    else:
+                        (<float*>a)[0] = NAN
+                break
+            if moved:
+                continue
+            pfd[0].fd = fd
+            pfd[0].events = (POLLIN_ if roff < total else 0) | (POLLOUT_ if soff < total else 0)
+            pfd[0].revents = 0
+            pfd[1].fd = wake
+            pfd[1].events = POLLIN_
+            pfd[1].revents = 0
+            now = _now()
+            if now < spin_end:
+                ready = poll(pfd, 2, 0)
+                if ready == 0:
+                    sched_yield()
+            else:
+                if timeout >= 0 and now >= end:
+                    break  # the engine raises the timeout, with its words
+                ms = 60000 if timeout < 0 or end - now > 60.0 else <int>((end - now) * 1000.0) + 1
+                ready = poll(pfd, 2, ms)
+            if ready > 0 and pfd[1].revents:
+                break  # another thread queued work: the engine drives from here
+    return (outcome, soff, roff, serr, rerr, bool(eof),
+            (<bytes>(<char*>rh)[:min(roff, HDR)]) if outcome == X_STOPPED and roff else None)

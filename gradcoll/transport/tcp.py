@@ -48,11 +48,14 @@ import time
 from types import ModuleType
 from typing import cast
 
+import numpy as np
+
 from .. import _auth
 from .._util import Deadline
 from ..errors import ProtocolError, TransportAborted, TransportBroken, TransportClosed, UsageError
 from ..store import Store
 from . import frame as fr
+from . import tcp_fast as fast
 from . import tcp_secure as sec
 from ._engine import FramedTransport, Link, Op
 from .tcp_connect import SOCKBUF, Linked, connect
@@ -87,7 +90,7 @@ class _SockLink(Link):
         super().__init__(peer)
         self.sock, self.fd = sock, sock.fileno()
         self.events = 0  # mask currently registered with poll
-        self.stash = b""  # bytes read past a stray frame (see _redirect), served before the socket
+        self.stash = b""  # bytes read past a stray frame (tcp_fast.header_in), served before the socket
         tls = isinstance(sock, ssl.SSLSocket)  # tagged or in TLS: the loops of tcp_secure
         self.secure = sec.Secure(send_key, recv_key, tls) if tls or send_key is not None else None
 
@@ -96,34 +99,6 @@ class _SockLink(Link):
         if self.secure is not None:
             return self.secure.header(self.send_seq, tag, 0, kind)
         return fr.pack_header(self.send_seq, tag, 0, kind)
-
-
-def _redirect(link: _SockLink, op: Op) -> None:
-    """Move the payload bytes a scatter read put in the old buffer to the stray frame's own.
-
-    Bytes beyond the stray frame belong to the frames after it: they go to
-    ``link.stash``, which the next reads consume before the socket.
-    """
-    old = op.stray[2]
-    got = op.off - _HDR
-    keep = min(got, op.total)
-    op.view[:keep] = old[:keep]
-    if got > keep:
-        link.stash = bytes(old[keep:got]) + link.stash
-    op.off = _HDR + keep
-
-
-def _read_stash(link: _SockLink, bufs: list[memoryview]) -> int:
-    """Fill ``bufs`` from ``link.stash`` first (as ``recvmsg_into`` would from the socket)."""
-    n = 0
-    for b in bufs:
-        k = min(len(b), len(link.stash) - n)
-        b[:k] = link.stash[n : n + k]
-        n += k
-        if k < len(b):
-            break
-    link.stash = link.stash[n:]
-    return n
 
 
 class TcpTransport(FramedTransport):
@@ -148,6 +123,7 @@ class TcpTransport(FramedTransport):
         self._wake_r, self._wake_w = socket.socketpair()
         self._wake_r.setblocking(False)
         self._wake_w.setblocking(False)
+        self._wake_fd = self._wake_r.fileno()
         self._poll.register(self._wake_r.fileno(), select.POLLIN)
         self._idle_since = 0.0
         self._spin = SPIN_S
@@ -156,6 +132,17 @@ class TcpTransport(FramedTransport):
         self._fds = array.array("i", [self._wake_r.fileno()] + [-1] * len(self._peers))
         self._events = array.array("h", [select.POLLIN] + [0] * len(self._peers))
         self._revents = array.array("h", [0] * (1 + len(self._peers)))
+
+    def exchange_reduce(self, peer: int, acc: np.ndarray, tmp: np.ndarray, tag: int, timeout: float | None,
+                        divisor: float, check_input: bool, check: bool) -> int:
+        """``sendrecv(peer, acc, peer, tmp)`` then ``acc += tmp`` (``/ divisor``), in one compiled step where it can.
+
+        An outcome of ``gradcoll.transport.tcp_fast`` (``DECLINED``: nothing
+        moved, run the general path; ``MOVED``: the caller reduces).
+        """
+        if _IO is None:
+            return fast.DECLINED
+        return fast.exchange_reduce(self, _IO, peer, acc, tmp, tag, timeout, divisor, check_input, check)
 
     # -- waiting ---------------------------------------------------------
     def _before_idle(self) -> None:
@@ -260,7 +247,7 @@ class TcpTransport(FramedTransport):
                             bufs.append(op.view)
                     else:
                         bufs = [op.view[op.off - _HDR :]]
-                    n = _read_stash(link, bufs) if link.stash else link.sock.recvmsg_into(bufs)[0]
+                    n = fast.read_stash(link, bufs) if link.stash else link.sock.recvmsg_into(bufs)[0]
             except (BlockingIOError, InterruptedError):
                 return finished
             except OSError as e:
@@ -268,15 +255,8 @@ class TcpTransport(FramedTransport):
             if n == 0:
                 return self._broken(link, op)
             before, op.off = op.off, op.off + n
-            if before < _HDR <= op.off:
-                try:
-                    got = fr.unpack_header(op.hdr)
-                except ProtocolError as e:
-                    return self._malformed(link, op, e)
-                if not self._accept_header(link, op, got):
-                    return True
-                if op.stray is not None and op.off > _HDR:
-                    _redirect(link, op)
+            if before < _HDR <= op.off and not fast.header_in(self, link, op):
+                return True
             if op.off < _HDR + op.total:
                 continue  # more may be readable already; EAGAIN ends the loop
             q.popleft()

@@ -54,8 +54,9 @@ def _arm_self_kill(transport: Any, after: int, conn: Any, sig: int = signal.SIGK
             return fn(*a, **k)
         return hooked
 
-    for name in ("isend", "irecv", "sendrecv"):
-        setattr(transport, name, wrap(getattr(transport, name)))
+    for name in ("isend", "irecv", "sendrecv", "exchange_reduce"):  # the last: tcp's compiled small-message step
+        if hasattr(transport, name):
+            setattr(transport, name, wrap(getattr(transport, name)))
     win = getattr(transport, "_group_window", None)
     if win is not None:  # the direct allreduce: no transport call inside a collective, so die between two pieces
         from gradcoll.algorithms import _window_run

@@ -1,0 +1,194 @@
+"""The tcp transport's small exchange-and-reduce: one compiled call per recursive-doubling round.
+
+``exchange_reduce`` is ``sendrecv`` with the peer followed by ``acc += tmp``
+(and the divide of a mean's last round), for a small float buffer over a
+plain link, in one ``nogil`` call of ``_tcp_io.exchange``: this rank's frame
+goes out and the peer's comes in (both directions at once), the peer's header
+is checked as the engine checks it (kind, seq, tag, length), and the fused
+accumulate with its finite check runs on the received payload in place.
+
+It runs only where the engine would do nothing else meanwhile: no queued
+operation on any link, no other thread driving, nothing stashed, no secret
+or TLS framing (those links keep ``gradcoll.transport.tcp_secure``'s loops),
+the compiled extension present (``GRADCOLL_TCP_PURE_PYTHON=1`` turns it
+off), at most ``SMALL_BYTES``. Otherwise it declines before a byte moves and
+the caller runs its general path.
+
+While the call runs, this thread is the transport's driver and the link is
+``_stepping``: other threads queue behind it and wake it through the
+transport's wake socket instead of writing to the socket themselves.
+Anything the compiled call does not expect ends it with what it moved: a
+header that is not the one due (a stray, a close, an abort, a mismatch, a
+hostile length), an error, the end of the stream, the deadline, a wake-up.
+``_adopt`` then turns what was moved into the engine's own send and receive
+operations, at the head of their queues, judges the header with the engine's
+code, and the engine's ``_wait`` finishes them: every error is the one the
+general path raises, in its words.
+
+``header_in`` is that judgement, shared with the transport's own scatter
+reads (``TcpTransport._pull``): a header that completed with payload bytes
+already behind it in the receive buffer.
+"""
+
+from __future__ import annotations
+
+import os
+import time
+from types import ModuleType
+from typing import Any
+
+import numpy as np
+
+from ..errors import ProtocolError
+from . import frame as fr
+from ._engine import Op
+from .base import as_bytes_view, as_writable_view
+
+__all__ = ["exchange_reduce", "header_in", "read_stash", "SMALL_BYTES", "DECLINED", "MOVED", "REDUCED",
+           "NONFINITE"]
+
+#: The largest buffer (bytes) the compiled step takes: beyond it a round's time is the copies', not the Python
+#: around them, and the general path moves it as fast.
+SMALL_BYTES = 256 << 10
+
+#: ``exchange_reduce``'s outcomes.
+DECLINED = -1  # nothing moved: the caller runs its general path
+MOVED = 0  # both frames moved through the engine after the compiled step stopped: the caller reduces
+REDUCED = 1  # moved and reduced; the result is finite (or was not checked)
+NONFINITE = 2  # moved and reduced; the result is not finite, marked with a NaN at element 0
+
+_HDR = fr.HEADER_SIZE
+
+
+def exchange_reduce(t: Any, io: ModuleType, peer: int, acc: np.ndarray, tmp: np.ndarray, tag: int,
+                    timeout: float | None, divisor: float, check_input: bool, check: bool) -> int:
+    """Exchange ``acc`` for the peer's frame in ``tmp`` and reduce it into ``acc`` (see the module docstring).
+
+    ``t`` is a ``TcpTransport`` (which imports this module), ``io`` its
+    compiled loops.
+    ``check_input``: decline (DECLINED) when ``acc`` itself is not finite,
+    before anything is sent. Raises what ``sendrecv`` raises.
+    """
+    if type(peer) is not int or not 0 <= peer < t.size or peer == t.rank:
+        t._check_peer(peer)
+    if type(tag) is not int or not 0 <= tag <= fr.MAX_TAG:
+        fr.check_tag(tag)
+    link = t._links[peer]
+    if acc.nbytes > SMALL_BYTES or link.secure is not None:
+        return DECLINED
+    with t._mu:
+        if t._driving or t._queued() or link.stash or link.failure is not None or t._woken is not None or t.closed:
+            return DECLINED
+        t._driving, t._stepping = True, link
+        sseq, rseq = link.send_seq, link.recv_seq
+        link.send_seq = sseq + 1
+    limit = t._timeout(timeout)
+    started = time.monotonic()
+    try:
+        out, sent, got, serr, rerr, eof, hdr = io.exchange(
+            link.fd, t._wake_fd, acc, tmp, tag, sseq, rseq, t._spin, -1.0 if limit is None else limit, divisor,
+            check_input, check)
+    except BaseException:  # refused its arrays: nothing moved
+        _release(t, link, sseq, rseq)
+        raise
+    if out == io.BAD_INPUT:
+        _release(t, link, sseq, rseq)
+        return DECLINED
+    if out != io.STOPPED:
+        _release(t, link, None, rseq + 1)
+        return REDUCED if out == io.DONE else NONFINITE
+    ops = _adopt(t, link, acc, tmp, tag, sseq, rseq, sent, got, serr, rerr, eof, hdr)
+    t._wait(ops, None if limit is None else max(0.0, limit - (time.monotonic() - started)))
+    return MOVED
+
+
+def _release(t: Any, link: Any, send_seq: int | None, recv_seq: int) -> None:
+    """The step is over without handing anything to the engine: the link's next seqs (``send_seq`` None: as is)."""
+    with t._mu:
+        if send_seq is not None:
+            link.send_seq = send_seq
+        link.recv_seq = recv_seq
+        t._driving, t._stepping = False, None
+        if link.sendq:  # queued behind the step by another thread: written now, as it would have been inline
+            t._push(link)
+        if t._sleepers:
+            t._cv.notify_all()
+
+
+def _adopt(t: Any, link: Any, acc: np.ndarray, tmp: np.ndarray, tag: int, sseq: int, rseq: int,
+           sent: int, got: int, serr: int, rerr: int, eof: bool, hdr: bytes | None) -> tuple[Op, Op]:
+    """The engine's operations for a stopped step: ``(recv, send)``, at the head of their queues, judged."""
+    sop = Op(t, link, True, as_bytes_view(acc), tag)
+    sop.seq, sop.hdr, sop.off = sseq, fr.pack_header(sseq, tag, sop.total), sent
+    rop = Op(t, link, False, as_writable_view(tmp), tag)
+    rop.seq, rop.off, rop.hdr = rseq, got, bytearray(_HDR)
+    rop.hdr[: len(hdr or b"")] = hdr or b""
+    with t._mu:
+        t._driving, t._stepping = False, None
+        if link.failure is not None:  # the link failed (or closed) meanwhile: what _start would have raised
+            cls, reason = link.failure
+            for op in (rop, sop):
+                op.error, op.done = cls(f"rank {t.rank}: {op.describe()}: {reason}", rank=t.rank, peer=link.peer), True
+        else:
+            if sent < _HDR + sop.total:
+                link.sendq.appendleft(sop)
+            else:
+                sop.done = True
+            link.recvq.appendleft(rop)
+            t._busy[link] = None
+            if got >= _HDR and header_in(t, link, rop) and rop.off >= _HDR + rop.total:
+                link.recvq.remove(rop)
+                t._finish_recv(link, rop)
+            if serr:
+                t._send_failed(link, OSError(serr, os.strerror(serr)))
+            elif (rerr or eof) and not rop.done:
+                t._broken(link, rop, OSError(rerr, os.strerror(rerr)) if rerr else None)
+        if t._sleepers:
+            t._cv.notify_all()
+    return rop, sop
+
+
+def header_in(t: Any, link: Any, op: Op) -> bool:
+    """``op``'s header just completed, payload bytes perhaps behind it in ``op.view``: act on it (lock held).
+
+    False when it failed the op or the link (a malformed header, a close, an
+    abort, a mismatch, a hostile length). A stray frame's bytes move to its
+    own buffer (``_redirect``).
+    """
+    try:
+        got = fr.unpack_header(op.hdr)
+    except ProtocolError as e:
+        return not t._malformed(link, op, e)
+    if not t._accept_header(link, op, got):
+        return False
+    if op.stray is not None and op.off > _HDR:
+        _redirect(link, op)
+    return True
+
+
+def _redirect(link: Any, op: Op) -> None:
+    """Move the payload bytes a scatter read put in the old buffer to the stray frame's own.
+
+    Bytes beyond the stray frame belong to the frames after it: they go to
+    ``link.stash``, which the next reads consume before the socket.
+    """
+    old = op.stray[2]
+    got = op.off - _HDR
+    keep = min(got, op.total)
+    op.view[:keep] = old[:keep]
+    if got > keep:
+        link.stash = bytes(old[keep:got]) + link.stash
+    op.off = _HDR + keep
+
+
+def read_stash(link: Any, bufs: list[memoryview]) -> int:
+    """Fill ``bufs`` from ``link.stash`` first (as ``recvmsg_into`` would from the socket)."""
+    n = 0
+    for b in bufs:
+        k = min(len(b), len(link.stash) - n)
+        b[:k] = link.stash[n : n + k]
+        n += k
+        if k < len(b):
+            break
+    link.stash = link.stash[n:]
+    return n
