@@ -6,7 +6,6 @@ import json
 import subprocess
 import sys
 import threading
-from pathlib import Path
 from typing import Any
 
 import numpy as np
@@ -17,7 +16,6 @@ from gradcoll.cli.bench import FIELDS, HEADER, _ran, load_rows, parse_size, size
 from gradcoll.group.process_group import ProcessGroup
 from gradcoll.transport.inproc import create_world
 
-ROOT = Path(__file__).resolve().parents[2]
 SIZES = [4096, 8192]
 
 pytestmark = pytest.mark.timeout(120)
@@ -134,9 +132,12 @@ def test_parse_size_forms() -> None:
 
 
 def test_load_rows_reads_files_written_under_the_old_names(tmp_path) -> None:
-    stored = ROOT / "benches" / "results" / "costmodel" / "shm_ring_2.json"
-    old = json.loads(stored.read_text())
-    assert "time_med_us" in old[0]  # stored measurements keep the names they were written with
+    # rows as gradcoll bench wrote them before the names changed (the requested algorithm under "algorithm")
+    old = [{"size": 4096 << i, "count": 1024 << i, "dtype": "float32", "algorithm": "ring", "transport": "shm",
+            "ranks": 2, "iters": 30, "time_avg_us": 30.5 + i, "time_min_us": 29.0 + i, "time_max_us": 31.0 + i,
+            "time_med_us": 30.0 + i, "runs_time_med_us": [30.0 + i, 30.25 + i, 29.75 + i]} for i in range(3)]
+    stored = tmp_path / "old.json"
+    stored.write_text(json.dumps(old))
     new = load_rows(str(stored))
     for o, n in zip(old, new, strict=True):
         assert n["iter_mean_us_avg_over_ranks"] == o["time_avg_us"]
