@@ -22,11 +22,11 @@ exact = flags + (["-ffp-contract=off"] if os.name != "nt" else [])
 macros = [("NPY_NO_DEPRECATED_API", "NPY_1_7_API_VERSION")]
 exts = [
     Extension("gradcoll.kernels._cython_kernels", ["gradcoll/kernels/_cython_kernels.pyx"],
-              include_dirs=[np.get_include()], define_macros=macros, depends=["gradcoll/kernels/_fused.h"],
+              include_dirs=[np.get_include()], define_macros=macros, depends=["gradcoll/kernels/_fused.h", "gradcoll/kernels/_wide.h"],
               extra_compile_args=exact),
     Extension("gradcoll.transport._window_c", ["gradcoll/transport/_window_c.pyx"], extra_compile_args=exact),
     Extension("gradcoll.algorithms._direct_c", ["gradcoll/algorithms/_direct_c.pyx"],
-              include_dirs=[np.get_include()], define_macros=macros, depends=["gradcoll/kernels/_fused.h"],
+              include_dirs=[np.get_include()], define_macros=macros, depends=["gradcoll/kernels/_fused.h", "gradcoll/kernels/_wide.h"],
               extra_compile_args=exact + (["-Wno-unused-function"] if os.name != "nt" else [])),  # uses a few of _fused.h's
 ]
 
@@ -34,7 +34,7 @@ exts = [
 # (gradcoll/transport/_tcp_io.pyx, with a few of _fused.h's loops); POSIX sockets only.
 if os.name == "posix":
     exts.append(Extension("gradcoll.transport._tcp_io", ["gradcoll/transport/_tcp_io.pyx"],
-                          include_dirs=[np.get_include()], define_macros=macros, depends=["gradcoll/kernels/_fused.h"],
+                          include_dirs=[np.get_include()], define_macros=macros, depends=["gradcoll/kernels/_fused.h", "gradcoll/kernels/_wide.h"],
                           extra_compile_args=exact + ["-Wno-unused-function"]))
 
 setup(ext_modules=cythonize(exts, compiler_directives={"language_level": "3"}))

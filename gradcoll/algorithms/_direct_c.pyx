@@ -39,6 +39,7 @@ cdef extern from "../kernels/_fused.h" nogil:
     int gc_reduce_ff(const float* const* xs, gc_ssize n, gc_ssize m, float* out, float f, int mode, int nt)
     int gc_reduce_dd(const double* const* xs, gc_ssize n, gc_ssize m, double* out, double f, int mode, int nt)
     int GC_NONE, GC_MUL, GC_DIV
+    int gc_set_simd_cap(int cap)
 
 cdef extern from *:
     """
@@ -237,6 +238,77 @@ cdef extern from *:
         }
         return bad | (_mm256_movemask_pd(flag) != 0);
     }
+    /* The same on 16 elements at a time (AVX-512 F): the AVX2 loop's operations, in the same order, on
+       twice the lanes; the AVX2 loop does the rest. */
+    __attribute__((target("avx512f,avx512bw,avx2"))) static int gcd_exact_f32_512(
+            const float* const* xs, int n, int64_t m, float* out, double div, double recip, double limit,
+            int64_t hi, int64_t lo, int64_t bmin, int64_t F) {
+        const __m512i absm = _mm512_set1_epi32(0x7FFFFFFF), one = _mm512_set1_epi32(1);
+        const __m512i span = _mm512_set1_epi32((int)(F - 23)), top = _mm512_set1_epi32(0xFF);
+        const __m512i bm = _mm512_set1_epi32((int)bmin), zero = _mm512_setzero_si512();
+        const __m512d lim = _mm512_set1_pd(limit), rc = _mm512_set1_pd(recip), dv = _mm512_set1_pd(div);
+        const __m512i hv = _mm512_set1_epi64(hi), lv = _mm512_set1_epi64(lo);
+        const __m512d magic = _mm512_set1_pd(GCD_MAGIC);
+        const __m512i mag = _mm512_set1_epi64(INT64_MAX);
+        const int mul = recip > 0;
+        int bad = 0;
+        int64_t i = 0;
+    #define GCD_LO8(v) _mm512_castsi512_si256(v)
+    #define GCD_HI8(v) _mm512_extracti64x4_epi64(v, 1)
+    #define GCD_PD(v) _mm512_cvtps_pd(_mm256_castsi256_ps(v))
+        for (; i + 16 <= m; i += 16) {
+            const float* p = xs[0] + i;
+            __m512i mx = _mm512_and_si512(_mm512_loadu_si512((const void*)p), absm);
+            /* the smallest nonzero magnitude: a masked minimum over the nonzero ones (none: it stays all ones) */
+            __m512i mn = _mm512_mask_mov_epi32(absm, _mm512_test_epi32_mask(mx, mx), mx);
+            __m512d s0 = _mm512_cvtps_pd(_mm256_loadu_ps(p)), s1 = _mm512_cvtps_pd(_mm256_loadu_ps(p + 8));
+            for (int r = 1; r < n; r++) {
+                p = xs[r] + i;
+                __m512i u = _mm512_and_si512(_mm512_loadu_si512((const void*)p), absm);
+                mx = _mm512_max_epi32(mx, u);
+                mn = _mm512_mask_min_epi32(mn, _mm512_test_epi32_mask(u, u), mn, u);
+                s0 = _mm512_add_pd(s0, _mm512_cvtps_pd(_mm256_loadu_ps(p)));
+                s1 = _mm512_add_pd(s1, _mm512_cvtps_pd(_mm256_loadu_ps(p + 8)));
+            }
+            __m512i b = _mm512_srli_epi32(mx, 23);
+            __m512i bx = _mm512_max_epi32(b, bm);  /* E's clamp */
+            __m512i bn = _mm512_max_epi32(_mm512_srli_epi32(mn, 23), one);  /* subnormals: 1 */
+            __mmask16 special = _mm512_cmpeq_epi32_mask(b, top) | _mm512_cmpeq_epi32_mask(mx, zero);
+            __mmask16 ok = _mm512_cmpgt_epi32_mask(_mm512_add_epi32(bn, span), bx) | special;
+            if (__builtin_expect(ok != 0xFFFF, 0)) {  /* the grid (steps 2-4), for all 16 */
+                __m512i e0 = _mm512_cvtepi32_epi64(GCD_LO8(bx)), e1 = _mm512_cvtepi32_epi64(GCD_HI8(bx));
+                __m512d c0 = _mm512_castsi512_pd(_mm512_slli_epi64(_mm512_sub_epi64(hv, e0), 52));
+                __m512d c1 = _mm512_castsi512_pd(_mm512_slli_epi64(_mm512_sub_epi64(hv, e1), 52));
+                __m512d a0 = _mm512_setzero_pd(), a1 = _mm512_setzero_pd();
+                for (int r = 0; r < n; r++) {
+                    __m512i v = _mm512_loadu_si512((const void*)(xs[r] + i));
+                    __m512d y0 = _mm512_sub_pd(_mm512_add_pd(_mm512_mul_pd(GCD_PD(GCD_LO8(v)), c0), magic), magic);
+                    __m512d y1 = _mm512_sub_pd(_mm512_add_pd(_mm512_mul_pd(GCD_PD(GCD_HI8(v)), c1), magic), magic);
+                    a0 = r ? _mm512_add_pd(a0, y0) : y0;
+                    a1 = r ? _mm512_add_pd(a1, y1) : y1;
+                }
+                a0 = _mm512_mul_pd(a0, _mm512_castsi512_pd(_mm512_slli_epi64(_mm512_add_epi64(e0, lv), 52)));
+                a1 = _mm512_mul_pd(a1, _mm512_castsi512_pd(_mm512_slli_epi64(_mm512_add_epi64(e1, lv), 52)));
+                s0 = _mm512_mask_blend_pd((__mmask8)special, a0, s0);
+                s1 = _mm512_mask_blend_pd((__mmask8)(special >> 8), a1, s1);
+            }
+            s0 = mul ? _mm512_mul_pd(s0, rc) : _mm512_div_pd(s0, dv);
+            s1 = mul ? _mm512_mul_pd(s1, rc) : _mm512_div_pd(s1, dv);
+            _mm256_storeu_ps(out + i, _mm512_cvtpd_ps(s0));
+            _mm256_storeu_ps(out + i + 8, _mm512_cvtpd_ps(s1));
+            bad |= _mm512_cmp_pd_mask(_mm512_castsi512_pd(_mm512_and_si512(_mm512_castpd_si512(s0), mag)), lim, _CMP_NLT_UQ)
+                 | _mm512_cmp_pd_mask(_mm512_castsi512_pd(_mm512_and_si512(_mm512_castpd_si512(s1), mag)), lim, _CMP_NLT_UQ);
+        }
+    #undef GCD_LO8
+    #undef GCD_HI8
+    #undef GCD_PD
+        if (i < m) {
+            const float* t[n];
+            for (int r = 0; r < n; r++) t[r] = xs[r] + i;
+            bad |= gcd_exact_f32_avx2(t, n, m - i, out + i, div, recip, limit, hi, lo, bmin, F);
+        }
+        return bad != 0;
+    }
     /* Two float32 contributions: the float64 sum of two float32 values rounds to float32 as their float32
        sum does (exactly when they are within 29 binades, and the smaller cannot move the result past a
        float32 half-way point otherwise), and halving that sum rounds as halving the float64 one does (the
@@ -268,15 +340,45 @@ cdef extern from *:
         }
         return bad;
     }
+    /* The same on 32 elements a step (AVX-512 F): one test for both vectors; the AVX2 loop does the rest. */
+    __attribute__((target("avx512f,avx512bw,avx2"))) static int gcd_exact2_f32_512(
+            const float* const* xs, int64_t m, float* out, double div, double recip, double limit,
+            int64_t hi, int64_t lo, int64_t bmin) {
+        const __m512 f = _mm512_set1_ps((float)recip);
+        const __m512i expm = _mm512_set1_epi32(0x7F800000);
+        const float *a = xs[0], *b = xs[1];
+        int bad = 0;
+        int64_t i = 0;
+        for (; i + 32 <= m; i += 32) {
+            __m512 v0 = _mm512_add_ps(_mm512_loadu_ps(a + i), _mm512_loadu_ps(b + i));
+            __m512 v1 = _mm512_add_ps(_mm512_loadu_ps(a + i + 16), _mm512_loadu_ps(b + i + 16));
+            __mmask16 other = _mm512_cmpeq_epi32_mask(_mm512_and_si512(_mm512_castps_si512(v0), expm), expm)
+                            | _mm512_cmpeq_epi32_mask(_mm512_and_si512(_mm512_castps_si512(v1), expm), expm);
+            if (__builtin_expect(other != 0, 0)) {
+                const float* t[2] = {a + i, b + i};
+                bad |= gcd_exact_f32(t, 2, 32, out + i, div, recip, limit, hi, lo, bmin);
+                continue;
+            }
+            _mm512_storeu_ps(out + i, _mm512_mul_ps(v0, f));
+            _mm512_storeu_ps(out + i + 16, _mm512_mul_ps(v1, f));
+        }
+        if (i < m) {
+            const float* t[2] = {a + i, b + i};
+            bad |= gcd_exact2_f32_avx2(t, m - i, out + i, div, recip, limit, hi, lo, bmin);
+        }
+        return bad;
+    }
     #endif
     /* gcd_exact_f32, through the AVX2 loops above where the CPU has it */
     static int gcd_exact32(const float* const* xs, int n, int64_t m, float* out, double div, double recip,
                            double limit, int64_t hi, int64_t lo, int64_t bmin) {
         int64_t F = hi - 127 - 1022;  /* exact_reference.params: hi = F + bias + 1022 */
     #ifdef GCD_EXACT_AVX2
-        static int avx2 = -1;
-        if (avx2 < 0) avx2 = __builtin_cpu_supports("avx2") ? 1 : 0;
+        int avx2 = gc_simd() >= 1;  /* (AVX2 with F16C: every AVX2 CPU has it) */
+        if (n > 2 && gc_simd() >= 2) return gcd_exact_f32_512(xs, n, m, out, div, recip, limit, hi, lo, bmin, F);
         if (n > 2 && avx2) return gcd_exact_f32_avx2(xs, n, m, out, div, recip, limit, hi, lo, bmin, F);
+        if (n == 2 && gc_simd() >= 2 && (recip == 1.0 || recip == 0.5))
+            return gcd_exact2_f32_512(xs, m, out, div, recip, limit, hi, lo, bmin);
         if (n == 2 && avx2 && (recip == 1.0 || recip == 0.5))
             return gcd_exact2_f32_avx2(xs, m, out, div, recip, limit, hi, lo, bmin);
     #endif
@@ -293,22 +395,47 @@ cdef extern from *:
         else gc_acc_bf16(dst, src, m, 1.0f, GC_NONE, 1);
     }
     /* sum of n wire inputs in rank order in float32, divided, rounded to the wire into enc (a private block
-       when NULL) and widened into dec when not NULL; nonzero when an encoded result is Inf/NaN */
+       when NULL) and widened into dec when not NULL; nonzero when an encoded result is Inf/NaN. Input me is
+       the float32 mine when that is not NULL (a rank's own share, rounded to the wire here) */
     GCD_CLONES static int gcd_wire_reduce(const uint16_t* const* xs, int n, int64_t m, uint16_t* enc, float* dec,
-                                          float div, int dodiv, int fp16, const float* table) {
+                                          float div, int dodiv, int fp16, const float* table, const float* mine,
+                                          int me) {
         float acc[GCD_BLOCK];
         uint32_t bits[GCD_BLOCK];
-        uint16_t own[GCD_BLOCK];
+        uint16_t own[GCD_BLOCK], wmine[GCD_BLOCK];
+        const uint16_t* t[64];  /* (MAXN) */
         uint32_t flag = 0;
+        for (int r = 0; r < n; r++) t[r] = xs[r];
+        /* a power of two divides as its reciprocal multiplies (the same correctly rounded value, cheaper) */
+        int pow2 = frexpf(div, &(int){0}) == 0.5f && isnormal(1.0f / div);
+        float dm = pow2 ? 1.0f / div : div;
+        int last = pow2 ? GC_MUL : GC_DIV;
+    #ifdef GCD_EXACT_AVX2
+        if (!fp16 && gc_simd() >= 2) {  /* in registers, 16 lanes a time; the block form for the tail */
+            int64_t done = gc_wire_reduce_bf16_512(xs, n, m, enc, dec, div, dodiv, mine, me, &flag);
+            if (done == m) return flag != 0;
+            for (int r = 0; r < n; r++) t[r] = xs[r] + done;
+            m -= done;
+            if (enc != NULL) enc += done;
+            if (dec != NULL) dec += done;
+            if (mine != NULL) mine += done;
+        }
+    #endif
         for (int64_t i0 = 0; i0 < m; i0 += GCD_BLOCK) {
             int64_t w = m - i0 < GCD_BLOCK ? m - i0 : GCD_BLOCK;
+            const uint16_t* x[64];
+            for (int r = 0; r < n; r++) x[r] = t[r] + i0;
+            if (mine != NULL) {  /* this rank's share, rounded to the wire as its encode would */
+                gcd_encode(mine + i0, wmine, w, fp16);
+                x[me] = wmine;
+            }
             /* widen input 0, add the others in rank order (the last add divides: (sum + x) / div is the
                sum's division), round to the wire */
-            gcd_decode(xs[0] + i0, acc, w, fp16, table);
+            gcd_decode(x[0], acc, w, fp16, table);
             for (int r = 1; r < n; r++) {
-                int mode = (dodiv && r == n - 1) ? GC_DIV : GC_NONE;
-                if (fp16) gc_acc_fp16(acc, xs[r] + i0, table, w, div, mode, 0);
-                else gc_acc_bf16(acc, xs[r] + i0, w, div, mode, 0);
+                int mode = (dodiv && r == n - 1) ? last : GC_NONE;
+                if (fp16) gc_acc_fp16(acc, x[r], table, w, dm, mode, 0);
+                else gc_acc_bf16(acc, x[r], w, dm, mode, 0);
             }
             if (dodiv && n == 1) for (int64_t j = 0; j < w; j++) acc[j] = acc[j] / div;
             uint16_t* e = enc != NULL ? enc + i0 : own;
@@ -328,7 +455,7 @@ cdef extern from *:
     void gcd_encode(const float* src, uint16_t* dst, int64_t m, int fp16) nogil
     void gcd_decode(const uint16_t* src, float* dst, int64_t m, int fp16, const float* table) nogil
     int gcd_wire_reduce(const uint16_t* const* xs, int n, int64_t m, uint16_t* enc, float* dec, float div,
-                        int dodiv, int fp16, const float* table) nogil
+                        int dodiv, int fp16, const float* table, const float* mine, int me) nogil
 
 ctypedef fused real:
     float
@@ -413,6 +540,12 @@ cdef bint _minmax(real** xs, int n, Py_ssize_t m, real* out, bint is_max, bint c
     return ok
 
 
+def simd_level(int cap=-1):
+    """The widest vector loops this module's kernels run (2 AVX-512, 1 AVX2, 0 neither), after lowering
+    them to at most ``cap`` when it is given (the tests run every level the CPU has; 2 restores them)."""
+    return gc_set_simd_cap(cap)
+
+
 cdef class Plan:
     # (the attributes Runner sets directly are declared here)
     """One collective's plan on one window: geometry, descriptor and progress (see ``direct.py``).
@@ -455,8 +588,9 @@ cdef class Plan:
         self.fp16 = variant == V_FP16
         self.root, self.scatter = root, scatter
         # Two-shot: the share a rank reduces itself is read from its own buffer, never copied into its slot
-        # (no peer reads it there). Not on a wire (the reduction reads wire values) nor for a region (in place).
-        self.own = two and region is None and variant <= V_EXACT and op < OP_GATHER
+        # (no peer reads it there); on a wire the reduction rounds it to the wire as it reads it. Not for
+        # wire values already (copied as they are) nor for a region (in place).
+        self.own = two and region is None and op < OP_GATHER and (variant <= V_EXACT or item == 4)
         self.count, self.item, self.witem, self.piece, self.seg = count, item, witem, piece, seg
         self.depth, self.ring, self.rslot, self.res_off = depth, ring, rslot, res_off
         self.divisor, self.recip, self.limit = divisor, recip, limit
@@ -593,11 +727,13 @@ cdef class Plan:
         """Reduce share ``q`` of piece ``k`` (or piece ``k``) of every rank into ``out``; False if not finite."""
         cdef void* xs[MAXN]
         cdef int r, mode, n = self.w.n
+        cdef const float* mine
         for r in range(n):
             xs[r] = self._data(r, k, q)
         if self.variant >= V_BF16:
+            mine = <const float*>xs[self.w.me] if self.own and q == self.w.me else NULL
             return gcd_wire_reduce(<const uint16_t* const*>xs, n, m, <uint16_t*>out, dec, <float>self.divisor,
-                                   self.dodiv, self.fp16, self.table) == 0 or not self.check
+                                   self.dodiv, self.fp16, self.table, mine, self.w.me) == 0 or not self.check
         if self.variant == V_EXACT:
             if self.f64:
                 r = gcd_exact_f64(<const double* const*>xs, n, m, <double*>out, self.divisor, self.recip,
@@ -704,9 +840,12 @@ cdef class Plan:
                     culprit[0] = q
                     self._share(k, me, &a, &b)
                     if self.own and b > a:  # the scan of the error path reads every rank's piece in its slot
-                        gcd_copy(self.w.base + self.w.slots + me * self.w.stride
-                                 + ((self.t0 + k) % self.depth) * self.ring + me * self.seg * self.witem,
-                                 self.buf + a * self.item, (b - a) * self.item)
+                        rep = (self.w.base + self.w.slots + me * self.w.stride
+                               + ((self.t0 + k) % self.depth) * self.ring + me * self.seg * self.witem)
+                        if self.variant >= V_BF16:
+                            gcd_encode(<float*>(self.buf + a * 4), <uint16_t*>rep, b - a, self.fp16)
+                        else:
+                            gcd_copy(rep, self.buf + a * self.item, (b - a) * self.item)
                     win_publish(&self.w, FILLED, t + 1)
                     return S_NONFINITE
             for q in range(n):

@@ -33,6 +33,7 @@ cdef extern from "_fused.h" nogil:
     int gc_encode_fp16(const uint32_t* u, uint16_t* w, gc_ssize m)
     int gc_acc_bf16(float* acc, const uint16_t* w, gc_ssize m, float d, int mode, int decode_only)
     int gc_acc_fp16(float* acc, const uint16_t* w, const float* table, gc_ssize m, float d, int mode, int decode_only)
+    int gc_set_simd_cap(int cap)
 
 cdef enum:
     STACK_PTRS = 64
@@ -44,6 +45,12 @@ cdef enum:
 #: output line before it is overwritten. ``set_stream_bytes`` changes it (benches/bench_kernels.py --stream-bytes).
 STREAM_BYTES = 32 << 20
 cdef Py_ssize_t _stream_bytes = STREAM_BYTES
+
+
+def simd_level(int cap=-1):
+    """The widest vector loops this module's kernels run (2 AVX-512, 1 AVX2, 0 neither), after lowering
+    them to at most ``cap`` when it is given (the tests run every level the CPU has; 2 restores them)."""
+    return gc_set_simd_cap(cap)
 
 
 def set_stream_bytes(Py_ssize_t nbytes):

@@ -293,16 +293,34 @@ static inline uint32_t gc_fp16(uint32_t u) {
 #include <cpuid.h>
 #include <immintrin.h>
 
-static int gc_f16c_state = -1;
+/* The widest level of vector loops the CPU has (2: AVX-512 F and BW, 1: AVX2 with F16C, 0: neither),
+ * capped by gc_simd_cap, which the tests lower to run every level this CPU has against the reference. */
+static int gc_simd_state = -1;
+static int gc_simd_cap = 2;
 
-static int gc_has_f16c(void) {
+static int gc_simd(void) {
     unsigned a, b, c, d;
-    if (gc_f16c_state < 0) {  /* a benign race: every thread computes the same answer */
+    if (gc_simd_state < 0) {  /* a benign race: every thread computes the same answer */
+        int s = 0;
         __builtin_cpu_init();
-        gc_f16c_state = __builtin_cpu_supports("avx2") && __get_cpuid(1, &a, &b, &c, &d) && (c & bit_F16C) != 0;
+        if (__builtin_cpu_supports("avx2") && __get_cpuid(1, &a, &b, &c, &d) && (c & bit_F16C) != 0) {
+            s = 1;
+            if (__builtin_cpu_supports("avx512f") && __builtin_cpu_supports("avx512bw"))
+                s = 2;
+        }
+        gc_simd_state = s;
     }
-    return gc_f16c_state;
+    return gc_simd_state < gc_simd_cap ? gc_simd_state : gc_simd_cap;
 }
+
+/* The level the loops run at, at most ``cap`` (a negative cap only reads it). */
+static int gc_set_simd_cap(int cap) {
+    if (cap >= 0)
+        gc_simd_cap = cap;
+    return gc_simd();
+}
+
+static int gc_has_f16c(void) { return gc_simd() >= 1; }
 
 __attribute__((target("avx2,f16c"))) static gc_ssize gc_encode_fp16_hw(const uint32_t *u, uint16_t *w, gc_ssize m,
                                                                         uint32_t *flag) {
@@ -391,20 +409,25 @@ __attribute__((target("avx2"))) static gc_ssize gc_encode_bf16_hw(const uint32_t
     }
     return i;
 }
+#include "_wide.h"
+#else
+static int gc_set_simd_cap(int cap) { (void)cap; return 0; }  /* no vector loops of their own here */
 #endif
 
-/* One encode: the vector loop where the CPU has it, then the scalar conversion for the rest; 1 when every
+/* One encode: the widest vector loop the CPU has, then the scalar conversion for the rest; 1 when every
  * encoded value is finite (EXP: the format's exponent bits, ULP: their lowest bit). */
 #if defined(GC_F16C)
 #define GC_ENCODE_HW(HW) if (gc_has_f16c()) i = HW(u, w, m, &flag);
+#define GC_ENCODE_HW_BF16 i = gc_encode_bf16_vec(u, w, m, &flag);
 #else
 #define GC_ENCODE_HW(HW)
+#define GC_ENCODE_HW_BF16
 #endif
-#define GC_DEFINE_ENCODE(NAME, CONV, HW, EXP, ULP)                                                     \
+#define GC_DEFINE_ENCODE(NAME, CONV, HWLOOP, EXP, ULP)                                                 \
     GC_CLONES static int NAME(const uint32_t *restrict u, uint16_t *restrict w, gc_ssize m) {          \
         gc_ssize i = 0;                                                                                \
         uint32_t flag = 0, v;                                                                          \
-        GC_ENCODE_HW(HW)                                                                               \
+        HWLOOP                                                                                         \
         for (; i < m; i++) {                                                                           \
             v = CONV(u[i]);                                                                            \
             w[i] = (uint16_t)v;                                                                        \
@@ -413,17 +436,21 @@ __attribute__((target("avx2"))) static gc_ssize gc_encode_bf16_hw(const uint32_t
         return (flag & 0x8000u) == 0;                                                                  \
     }
 
-GC_DEFINE_ENCODE(gc_encode_bf16, gc_bf16, gc_encode_bf16_hw, 0x7f80u, 0x0080u)
-GC_DEFINE_ENCODE(gc_encode_fp16, gc_fp16, gc_encode_fp16_hw, 0x7c00u, 0x0400u)
+GC_DEFINE_ENCODE(gc_encode_bf16, gc_bf16, GC_ENCODE_HW_BF16, 0x7f80u, 0x0080u)
+GC_DEFINE_ENCODE(gc_encode_fp16, gc_fp16, GC_ENCODE_HW(gc_encode_fp16_hw), 0x7c00u, 0x0400u)
 
 /* acc = finish(acc + decode(w)), or acc = decode(w) when decode_only; 1 when every result is finite.
  * bf16 widens by a shift; fp16 reads the 65,536-entry table of float32 values. */
 GC_CLONES static int gc_acc_bf16(float *restrict acc, const uint16_t *restrict w, gc_ssize m, float d, int mode,
                                  int decode_only) {
-    gc_ssize i;
+    gc_ssize i = 0;
     uint32_t flag = 0, b;
     float x, s;
-    for (i = 0; i < m; i++) {
+#if defined(GC_F16C)
+    if (gc_simd() >= 2)
+        i = gc_acc_bf16_512(acc, w, m, d, mode, decode_only, &flag);
+#endif
+    for (; i < m; i++) {
         b = (uint32_t)w[i] << 16;
         memcpy(&x, &b, 4);
         s = decode_only ? x : acc[i] + x;

@@ -16,7 +16,7 @@ import pytest
 
 from gradcoll.algorithms import ALLREDUCE, select_allreduce
 from gradcoll.algorithms.deterministic import deterministic_allreduce
-from gradcoll.algorithms.direct import alloc, direct_allreduce, direct_exact
+from gradcoll.algorithms.direct import alloc, direct_allreduce, direct_exact, direct_wire
 from gradcoll.algorithms.low_precision import wire_allreduce
 from gradcoll.errors import NonFiniteError, UsageError
 from gradcoll.testing import gather_ranks
@@ -154,17 +154,24 @@ def mixed_contributions(n: int, count: int, seed: int) -> list[np.ndarray]:
 
 @pytest.mark.parametrize("n", [2, 3, 4, 8])
 def test_deterministic_on_the_window_equals_the_numpy_reference_in_every_lane(n: int) -> None:
+    from gradcoll.algorithms import _direct_c
     from gradcoll.kernels import exact_reference
     count = 8 * 1237 + 5  # a tail after the 8-element groups
     data = mixed_contributions(n, count, seed=n)
     want = np.empty(count, np.float32)
     exact_reference.exact_reduce(data[0], np.stack(data[1:]), want, float(n))
-    for mode in MODES:
-        bufs = [d.copy() for d in data]
-        each_rank(n, lambda r, t: direct_exact(t, bufs[r], op="mean", check_finite=False, seq=1, timeout=20.0,
-                                               mode=mode))
-        for b in bufs:
-            assert b.tobytes() == want.tobytes(), mode
+    top = _direct_c.simd_level()
+    try:
+        for level in range(top, -1, -1):  # the AVX-512, AVX2 and block forms that this CPU has
+            _direct_c.simd_level(level)
+            for mode in MODES:
+                bufs = [d.copy() for d in data]
+                each_rank(n, lambda r, t: direct_exact(t, bufs[r], op="mean", check_finite=False, seq=1,
+                                                       timeout=20.0, mode=mode))
+                for b in bufs:
+                    assert b.tobytes() == want.tobytes(), (level, mode)
+    finally:
+        _direct_c.simd_level(2)
 
 
 @pytest.mark.parametrize("wire", ["bf16", "fp16"])
@@ -178,6 +185,53 @@ def test_wire_dtype_on_the_window(wire: str) -> None:
     ref = np.stack(data).astype(np.float64).mean(0)
     np.testing.assert_allclose(bufs[0], ref, rtol=2e-2, atol=2e-2)
     assert all(b.tobytes() == bufs[0].tobytes() for b in bufs)
+
+
+def _wire_reference(data: list[np.ndarray], wire: str, op: str) -> np.ndarray:
+    """The wire allreduce's bits: every contribution rounded to the wire, widened, summed in float32 in rank
+    order (the last add divides for a mean), the result rounded to the wire and widened."""
+    from gradcoll.kernels import lowp_reference as R
+    n, count = len(data), data[0].size
+    enc = np.empty(count, np.uint16)
+    acc = np.empty(count, np.float32)
+    for r, d in enumerate(data):
+        R.lowp_encode(d, enc, wire, False)
+        if r == 0:
+            R.lowp_decode(enc, acc, wire)
+        else:
+            R.lowp_accumulate(acc, enc, wire, float(n) if op == "mean" and r == n - 1 else None, False)
+    R.lowp_encode(acc, enc, wire, False)
+    R.lowp_decode(enc, acc, wire)
+    return acc
+
+
+@pytest.mark.parametrize("n", [2, 3, 4])
+@pytest.mark.parametrize("wire", ["bf16", "fp16"])
+def test_wire_dtype_on_the_window_has_the_reference_bits_at_every_vector_width(wire: str, n: int) -> None:
+    from gradcoll.algorithms import _direct_c
+    count = 16 * 811 + 7  # a tail after the 16-lane groups
+    rng = np.random.default_rng(n)
+    data = [(rng.standard_normal(count) * np.exp2(rng.integers(-140, 120, count))).astype(np.float32)
+            for _ in range(n)]
+    for d in data:  # subnormals, zeros of both signs, halfway cases, values that round to Inf on the wire
+        d[rng.choice(count, 40, replace=False)] = np.float32(1e-40)
+        d[rng.choice(count, 40, replace=False)] = -0.0
+        d[rng.choice(count, 40, replace=False)] = np.uint32(0x3F808000).view(np.float32)
+        d[rng.choice(count, 10, replace=False)] = np.float32(3.4e38)
+    top = _direct_c.simd_level()
+    try:
+        for level in range(top, -1, -1):
+            _direct_c.simd_level(level)
+            for op in ("mean", "sum"):
+                want = _wire_reference(data, wire, op)
+                for mode in MODES[1:]:
+                    bufs = [d.copy() for d in data]
+                    each_rank(n, lambda r, t: direct_wire(t, bufs[r], wire=wire, op=op, check_finite=False, seq=1,
+                                                          timeout=20.0, mode=mode))
+                    for b in bufs:
+                        assert b.tobytes() == want.tobytes(), (level, op, mode)
+    finally:
+        _direct_c.simd_level(2)
 
 
 def test_alloc_reduces_in_place_without_a_copy_in() -> None:

@@ -1,0 +1,143 @@
+/* The AVX-512 loops of the bf16 wire kernels (_fused.h includes this after its AVX2 loops).
+ *
+ * The same integer operations as the AVX2 loops, on 16 lanes in place of 8, so the same bits: the encode
+ * rounds to nearest even by adding 0x7fff plus the lowest kept bit and keeps the largest input magnitude
+ * (an Inf or NaN reruns the range with the NaN select), the widening shifts each value into the top half
+ * of a float32. Measured where they run (docs/kernels.md, "Wire kernels"): the encode is compute bound in
+ * cache with AVX2 (about 1.3x a float32 copy of the same elements), and every bf16 wire collective encodes
+ * and widens each element once.
+ *
+ * They run where gc_simd() (in _fused.h) is 2.
+ */
+#ifndef GRADCOLL_WIDE_H
+#define GRADCOLL_WIDE_H
+
+#if defined(GC_F16C)
+__attribute__((target("avx512f,avx512bw"))) static void gc_encode_bf16_sel_512(const uint32_t *u, uint16_t *w,
+                                                                                gc_ssize m) {
+    gc_ssize i = 0;
+    const __m512i abs = _mm512_set1_epi32(0x7fffffff), inf = _mm512_set1_epi32(0x7f800000);
+    const __m512i one = _mm512_set1_epi32(1), half = _mm512_set1_epi32(0x7fff), quiet = _mm512_set1_epi32(0x40);
+    for (; i + 16 <= m; i += 16) {
+        __m512i v = _mm512_loadu_si512((const void *)(u + i));
+        __m512i top = _mm512_srli_epi32(v, 16);
+        __m512i r = _mm512_srli_epi32(_mm512_add_epi32(_mm512_add_epi32(v, half), _mm512_and_si512(top, one)), 16);
+        __mmask16 nan = _mm512_cmpgt_epi32_mask(_mm512_and_si512(v, abs), inf);
+        r = _mm512_mask_or_epi32(r, nan, top, quiet);
+        _mm256_storeu_si256((__m256i *)(w + i), _mm512_cvtepi32_epi16(r));
+    }
+}
+
+/* 32 values a time; returns how many it encoded (a multiple of 32). */
+__attribute__((target("avx512f,avx512bw"))) static gc_ssize gc_encode_bf16_512(const uint32_t *u, uint16_t *w,
+                                                                                gc_ssize m, uint32_t *flag) {
+    gc_ssize i = 0;
+    __m512i mx = _mm512_setzero_si512();
+    const __m512i abs = _mm512_set1_epi32(0x7fffffff), one = _mm512_set1_epi32(1), half = _mm512_set1_epi32(0x7fff);
+    /* packus packs within 128-bit lanes: this puts the 64-bit pieces back in element order */
+    const __m512i order = _mm512_set_epi64(7, 5, 3, 1, 6, 4, 2, 0);
+    for (; i + 32 <= m; i += 32) {
+        __m512i v0 = _mm512_loadu_si512((const void *)(u + i)), v1 = _mm512_loadu_si512((const void *)(u + i + 16));
+        __m512i r0 = _mm512_srli_epi32(_mm512_add_epi32(_mm512_add_epi32(v0, half),
+                                                        _mm512_and_si512(_mm512_srli_epi32(v0, 16), one)), 16);
+        __m512i r1 = _mm512_srli_epi32(_mm512_add_epi32(_mm512_add_epi32(v1, half),
+                                                        _mm512_and_si512(_mm512_srli_epi32(v1, 16), one)), 16);
+        mx = _mm512_max_epu32(mx, _mm512_max_epu32(_mm512_and_si512(v0, abs), _mm512_and_si512(v1, abs)));
+        _mm512_storeu_si512((void *)(w + i), _mm512_permutexvar_epi64(order, _mm512_packus_epi32(r0, r1)));
+    }
+    if ((uint32_t)_mm512_reduce_max_epu32(mx) >= GC_BF16_TOO_BIG) {  /* an Inf or NaN: the call fails */
+        gc_encode_bf16_sel_512(u, w, i);
+        *flag |= 0x8000u;
+    }
+    return i;
+}
+
+/* The widest encode loop, then the next one for what is left (the caller finishes the tail). */
+static gc_ssize gc_encode_bf16_vec(const uint32_t *u, uint16_t *w, gc_ssize m, uint32_t *flag) {
+    gc_ssize i = 0;
+    int s = gc_simd();
+    if (s >= 2)
+        i = gc_encode_bf16_512(u, w, m, flag);
+    if (s >= 1)
+        i += gc_encode_bf16_hw(u + i, w + i, m - i, flag);
+    return i;
+}
+
+/* acc = finish(acc + widen(w)) (acc = widen(w) when decode_only), 16 lanes a time; ORs the finite check's
+ * top bit into flag and returns how many it did (a multiple of 16). */
+__attribute__((target("avx512f,avx512bw"))) static gc_ssize gc_acc_bf16_512(float *acc, const uint16_t *w,
+                                                                             gc_ssize m, float d, int mode,
+                                                                             int decode_only, uint32_t *flag) {
+    gc_ssize i = 0;
+    __m512i fv = _mm512_setzero_si512();
+    const __m512i e = _mm512_set1_epi32((int)GC_EXP32), ulp = _mm512_set1_epi32((int)GC_ULP32);
+    const __m512 vd = _mm512_set1_ps(d);
+    for (; i + 16 <= m; i += 16) {
+        __m512 x = _mm512_castsi512_ps(_mm512_slli_epi32(
+            _mm512_cvtepu16_epi32(_mm256_loadu_si256((const __m256i *)(w + i))), 16));
+        __m512 s = decode_only ? x : _mm512_add_ps(_mm512_loadu_ps(acc + i), x);
+        if (mode == GC_MUL) s = _mm512_mul_ps(s, vd);
+        else if (mode == GC_DIV) s = _mm512_div_ps(s, vd);
+        _mm512_storeu_ps(acc + i, s);
+        fv = _mm512_or_si512(fv, _mm512_add_epi32(_mm512_and_si512(_mm512_castps_si512(s), e), ulp));
+    }
+    if (_mm512_test_epi32_mask(fv, _mm512_set1_epi32((int)GC_TOP32)))  /* the sign bit of a lane: an Inf/NaN */
+        *flag |= GC_TOP32;
+    return i;
+}
+
+/* bf16 rounding of the float32 bits v (gc_bf16: nearest even, a NaN quieted), as 32-bit lanes */
+#define GC_BF16_ROUND_512(v)                                                                                   \
+    _mm512_mask_or_epi32(                                                                                      \
+        _mm512_srli_epi32(_mm512_add_epi32(_mm512_add_epi32(v, half), _mm512_and_si512(_mm512_srli_epi32(v, 16), one)), \
+                          16),                                                                                 \
+        _mm512_cmpgt_epi32_mask(_mm512_and_si512(v, abs), inf), _mm512_srli_epi32(v, 16), quiet)
+
+/* The wire reduction of n bf16 inputs in registers, 16 lanes a time: widen input 0, add the others in rank
+ * order (the last add then divides when dodiv: (sum + x) / div; one input divides alone), round the result
+ * to bf16 (gc_bf16's bits), store it into enc and its widening into dec (either may be NULL). Input ``me``
+ * is the float32 ``mine`` when that is not NULL, rounded to bf16 here as its encode would. The block form
+ * of the same steps (gcd_wire_reduce in _direct_c.pyx) does what is left. Returns how many it did (a
+ * multiple of 16); ORs 0x8000 into flag when an encoded result is Inf or NaN. */
+__attribute__((target("avx512f,avx512bw"), unused)) static gc_ssize gc_wire_reduce_bf16_512(
+        const uint16_t *const *xs, int n, gc_ssize m, uint16_t *enc, float *dec, float div, int dodiv,
+        const float *mine, int me, uint32_t *flag) {
+    gc_ssize i = 0;
+    const __m512i abs = _mm512_set1_epi32(0x7fffffff), inf = _mm512_set1_epi32(0x7f800000);
+    const __m512i one = _mm512_set1_epi32(1), half = _mm512_set1_epi32(0x7fff), quiet = _mm512_set1_epi32(0x40);
+    const __m512i e = _mm512_set1_epi32(0x7f80), ulp = _mm512_set1_epi32(0x80);
+    uint32_t db;
+    memcpy(&db, &div, 4);
+    /* a power of two (normal, with a normal reciprocal) divides as its reciprocal multiplies: the same
+       correctly rounded value, at a fraction of a division's cost */
+    const int mul = (db & 0x807fffffu) == 0 && (db >> 23) > 0 && (db >> 23) < 253;
+    const __m512 vd = _mm512_set1_ps(mul ? 1.0f / div : div);
+    __m512i fv = _mm512_setzero_si512();
+    int r, own = mine != NULL ? me : -1;
+#define GC_INPUT16(r)                                                                                          \
+    ((r) == own ? _mm512_castsi512_ps(_mm512_slli_epi32(                                                       \
+                      GC_BF16_ROUND_512(_mm512_loadu_si512((const void *)(mine + i))), 16))                     \
+                : _mm512_castsi512_ps(_mm512_slli_epi32(                                                       \
+                      _mm512_cvtepu16_epi32(_mm256_loadu_si256((const __m256i *)(xs[r] + i))), 16)))
+    for (; i + 16 <= m; i += 16) {
+        __m512 s = GC_INPUT16(0);
+        for (r = 1; r < n; r++)
+            s = _mm512_add_ps(s, GC_INPUT16(r));
+        if (dodiv)
+            s = mul ? _mm512_mul_ps(s, vd) : _mm512_div_ps(s, vd);
+        __m512i v = _mm512_castps_si512(s);
+        __m512i q = GC_BF16_ROUND_512(v);
+        fv = _mm512_or_si512(fv, _mm512_add_epi32(_mm512_and_si512(q, e), ulp));
+        if (enc != NULL)
+            _mm256_storeu_si256((__m256i *)(enc + i), _mm512_cvtepi32_epi16(q));
+        if (dec != NULL)
+            _mm512_storeu_ps(dec + i, _mm512_castsi512_ps(_mm512_slli_epi32(q, 16)));
+    }
+#undef GC_INPUT16
+    if (_mm512_test_epi32_mask(fv, _mm512_set1_epi32(0x8000)))
+        *flag |= 0x8000u;
+    return i;
+}
+#endif
+
+#endif /* GRADCOLL_WIDE_H */
