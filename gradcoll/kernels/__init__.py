@@ -35,7 +35,7 @@ from . import reference
 from ._lowp import WIRE_DTYPES, accumulate_wire, decode_wire, encode_wire, reference_wire
 from ._validate import acc_dtype, check_out, host_contig, host_rows, is_device
 from .protocol import ExactKernels, ReduceKernels
-from .select import available_backends, fast_path, load_backend, resolve
+from .select import available_backends, fast_path, load_backend, reduce_elems, resolve
 
 __all__ = [
     "mean_reduce",
@@ -97,8 +97,8 @@ def mean_reduce(
     if dtype == np.float16:  # documented: half inputs are widened first (one extra pass)
         rows = rows.astype(np.float32) if isinstance(rows, np.ndarray) else [r.astype(np.float32) for r in rows]
     flat_out = out.reshape(-1)
-    ok = resolve("reduce", flat_out.size, backend=backend).reduce_rows(rows, flat_out, acc, n if _OPS[op] else 1,
-                                                                       check_finite)
+    ok = resolve("reduce", reduce_elems(flat_out.size, n), backend=backend).reduce_rows(
+        rows, flat_out, acc, n if _OPS[op] else 1, check_finite)
     if not ok:
         reference.raise_nonfinite(list(rows), flat_out, "mean_reduce")
     return out

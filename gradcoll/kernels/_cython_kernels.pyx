@@ -236,9 +236,10 @@ def reduce_fast(object inputs, object out, bint mean, bint check, Py_ssize_t lim
     """Fast path of ``mean_reduce`` for the common small case, validated in C.
 
     Applies to a list or tuple of plain C-contiguous float32/float64 arrays of
-    one shape (and an ``out`` of that shape and dtype, or None) with at most
-    ``limit`` elements; above it, writeable 1-D arrays go to the registered
-    threaded kernel (``set_threaded``). Returns the output array when every value is finite,
+    one shape (and an ``out`` of that shape and dtype, or None). It reduces
+    them itself up to ``limit`` elements for 2 inputs, and ``3 / (n + 1)`` of
+    that for n (the same bytes moved); above it, writeable 1-D arrays go to
+    the registered threaded kernel (``set_threaded``). Returns the output array when every value is finite,
     False when the finite check failed (``out`` filled), or None when the fast
     path does not apply (the caller then validates and explains).
     """
@@ -259,7 +260,7 @@ def reduce_fast(object inputs, object out, bint mean, bint check, Py_ssize_t lim
     if typenum != cnp.NPY_FLOAT and typenum != cnp.NPY_DOUBLE:
         return None
     m = cnp.PyArray_SIZE(first)
-    big = m > limit
+    big = <double>m * (n + 1) > 3.0 * <double>limit  # by the bytes it moves: limit is a 2-input call's
     if big and (_threaded_reduce is None or n > _threaded_max_inputs or cnp.PyArray_NDIM(first) != 1):
         return None
     if not cnp.PyArray_ISCARRAY_RO(first):

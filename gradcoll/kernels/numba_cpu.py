@@ -171,7 +171,7 @@ def reduce_rows(rows: Sequence[np.ndarray] | np.ndarray, out: np.ndarray, acc_dt
     target = reference.accumulator(out, acc_dtype)
     mode, f = finish(divisor, target.dtype)
     fac, big = target.dtype.type(f), _big(target.dtype)
-    par = target.shape[0] >= PARALLEL_ELEMS
+    par = _parallel(target.shape[0], len(rows))
     passes = _tuples(list(rows))
     bad = 0
     for k, xs in enumerate(passes):
@@ -192,8 +192,14 @@ def reduce_plain(xs: tuple[np.ndarray, ...], out: np.ndarray, divisor: float, ch
     if p is None:
         mode, f = finish(divisor, out.dtype)
         p = _PLAIN[key] = (out.dtype.type(f), mode, _big(out.dtype))
-    fn = sum_parallel if out.shape[0] >= PARALLEL_ELEMS else sum_serial
+    fn = sum_parallel if _parallel(out.shape[0], len(xs)) else sum_serial
     return fn(xs, out, p[0], p[1], p[2]) == 0 or not check
+
+
+def _parallel(m: int, n: int) -> bool:
+    """Threads for a reduce of ``n`` inputs into ``m`` outputs: from ``PARALLEL_ELEMS`` outputs for 2 inputs,
+    by the bytes moved for more (``(n + 1) / 3`` times as many per output)."""
+    return m * (n + 1) >= 3 * PARALLEL_ELEMS
 
 
 def accumulate(acc: np.ndarray, x: np.ndarray, scale: float | None, divisor: float | None, check: bool) -> bool:

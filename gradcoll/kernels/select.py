@@ -88,6 +88,8 @@ __all__ = [
     "POLICY",
     "DEVICE",
     "SMALL_ELEMS",
+    "REDUCE_SMALL_ELEMS",
+    "reduce_elems",
     "resolve",
     "candidates",
     "implementation",
@@ -108,6 +110,17 @@ KINDS = ("reduce", "accumulate", "finite", "scale", "lowp", "exact")
 #: compiled kernels beat the threaded Numba ones, whose per-call cost is several microseconds; at 1e6 two
 #: threads win).
 SMALL_ELEMS = 1 << 18
+#: The reduce's limit for 2 inputs; n inputs move (n + 1) / 3 times the bytes, so their limit is 3 / (n + 1)
+#: of it (``reduce_elems``). Measured on a 2-core Xeon (docs/kernels.md, "Where threads pay off"): the
+#: threaded reduce overtook the serial one at about 100,000 outputs for 2 inputs, 50,000 for 4, 25,000 for 8,
+#: where the inputs and the output stop fitting in one core's 2 MiB L2 cache.
+REDUCE_SMALL_ELEMS = 1 << 17
+
+
+def reduce_elems(m: int, n: int) -> int:
+    """The size class of a reduce of ``n`` inputs into ``m`` outputs, on the scale of ``SMALL_ELEMS`` (what
+    ``resolve("reduce", ...)`` takes): above ``SMALL_ELEMS`` exactly when ``m`` is above its limit."""
+    return m * (n + 1) * SMALL_ELEMS // (3 * REDUCE_SMALL_ELEMS)
 
 Chains = tuple[tuple[str, ...], tuple[str, ...]]  # (up to SMALL_ELEMS, larger)
 
@@ -309,6 +322,8 @@ def _fast_entry(kind: str, backend: str | None) -> FastEntry:
         return None
     fns = tuple(getattr(ext, name) for name in _FAST[kind])
     limits = [_limit(chains)]
+    if kind == "reduce" and limits[0] == SMALL_ELEMS:
+        limits[0] = REDUCE_SMALL_ELEMS
     if kind == "lowp":  # a second limit for the fp16 wire format
         limits.append(_limit(FP16_WIRE.get(backend, chains)))
     if limits[0] == 0:

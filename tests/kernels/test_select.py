@@ -147,7 +147,7 @@ def test_fast_path_follows_the_table(monkeypatch: pytest.MonkeyPatch) -> None:
         assert fast_path("reduce") is None and fast_path("accumulate", "cython") is None
         return
     auto, named = fast_path("reduce"), fast_path("reduce", "cython")
-    assert auto is not None and auto[1] == select.SMALL_ELEMS  # larger buffers go to numba
+    assert auto is not None and auto[1] == select.REDUCE_SMALL_ELEMS  # larger buffers go to numba
     assert named is not None and named[1] > 1 << 40  # cython named: every size
     assert fast_path("accumulate") is not None
     for other in ("numba", "numpy", "cudasim"):
