@@ -112,9 +112,9 @@ KINDS = ("reduce", "accumulate", "finite", "scale", "lowp", "exact")
 SMALL_ELEMS = 1 << 18
 #: The reduce's limit for 2 inputs; n inputs move (n + 1) / 3 times the bytes, so their limit is 3 / (n + 1)
 #: of it (``reduce_elems``). Measured on a 2-core Xeon (docs/kernels.md, "Where threads pay off"): the
-#: threaded reduce overtook the serial one at about 100,000 outputs for 2 inputs, 50,000 for 4, 25,000 for 8,
+#: threaded reduce overtook the serial one at about 65,000-100,000 outputs for 2 inputs, 50,000 for 4, 25,000 for 8,
 #: where the inputs and the output stop fitting in one core's 2 MiB L2 cache.
-REDUCE_SMALL_ELEMS = 1 << 17
+REDUCE_SMALL_ELEMS = 1 << 16
 
 
 def reduce_elems(m: int, n: int) -> int:
