@@ -18,7 +18,9 @@ Implementations: ``gradcoll-shm`` and ``gradcoll-tcp`` (``algorithm="auto"``;
 on one host over shm that is the direct allreduce over the shared window),
 ``gradcoll-shm-det`` (``deterministic=True``), ``gradcoll-shm-bf16``
 (``wire_dtype="bf16"``), ``gradcoll-shm-alloc`` (the buffer comes from
-``ProcessGroup.alloc``: no copy-in), ``gloo``, ``mpi-shm`` (Open MPI, shared
+``ProcessGroup.alloc``: no copy-in), ``gradcoll-shm-same`` (the plain,
+deterministic and bf16 calls taking turns in the same processes: the
+variants' costs without the difference between launches), ``gloo``, ``mpi-shm`` (Open MPI, shared
 memory BTL), ``mpi-tcp``, and ``memcpy``: every rank at once copies its
 buffer twice (the copy-in and the copy-out no shared-memory allreduce can
 avoid), the memory system's floor; ``floor`` in the table is memcpy's time
@@ -46,7 +48,7 @@ import numpy as np
 HERE = os.path.abspath(__file__)
 TAG = "@@anchor "
 IMPLS = ["gradcoll-shm", "gradcoll-tcp", "gloo", "mpi-shm", "mpi-tcp"]
-VARIANTS = ["gradcoll-shm-det", "gradcoll-shm-bf16", "gradcoll-shm-alloc", "memcpy"]
+VARIANTS = ["gradcoll-shm-det", "gradcoll-shm-bf16", "gradcoll-shm-alloc", "memcpy", "gradcoll-shm-same"]
 OPS = ["allreduce", "broadcast", "allgather", "reduce_scatter", "barrier"]
 
 
@@ -171,8 +173,38 @@ def _mpi(op: str):
     return None, comm.Get_rank(), world, make, comm.Barrier, lambda: None
 
 
+#: ``gradcoll-shm-same``: the plain, deterministic and bf16-wire allreduce timed in the same processes, taking
+#: turns at every size (plain, det, bf16, plain, ...; median over the turns), so that the variants' costs do
+#: not carry the difference between two launches (on 2 cores one launch of the same code can be 1.5x another).
+SAME = "gradcoll-shm-same"
+SAME_ROWS = {"": "gradcoll-shm/same", "det": "gradcoll-shm-det/same", "bf16": "gradcoll-shm-bf16/same"}
+
+
+def _same_worker(sizes: list[int], repeats: int) -> None:
+    import gradcoll
+
+    g = gradcoll.init_process_group("shm", "env://", timeout=120)
+    kws = {"": {}, "det": {"deterministic": True}, "bf16": {"wire_dtype": "bf16"}}
+    factor = 2 * (g.size - 1) / g.size
+    for nbytes in sizes:
+        buf = np.ones(nbytes // 4, np.float32)
+        samples: dict[str, list[float]] = {v: [] for v in kws}
+        for _ in range(max(3, repeats)):
+            for v, kw in kws.items():
+                samples[v].append(_time_loop(lambda kw=kw: g.allreduce(buf, op="mean", **kw), g.barrier, nbytes, 1))
+        if g.rank == 0:
+            for v, ts in samples.items():
+                t = float(np.median(ts))
+                print(TAG + json.dumps({"impl": SAME_ROWS[v], "op": "allreduce", "size": nbytes, "ranks": g.size,
+                                        "time_us": t * 1e6, "busbw_GBps": nbytes / t / 1e9 * factor}), flush=True)
+    g.close()
+
+
 def worker(kind: str, sizes: list[int], repeats: int, op: str = "allreduce") -> None:
     """Time this implementation's ``op`` over ``sizes``; rank 0 prints JSON rows."""
+    if kind == SAME:
+        _same_worker(sizes, repeats)
+        return
     if kind.startswith("gradcoll") or kind == "memcpy":
         _, rank, world, make, barrier, close = _gradcoll(kind, op)
     elif kind == "gloo":
@@ -254,7 +286,9 @@ def run(kind: str, n: int, lo: str, hi: str, repeats: int, op: str = "allreduce"
 RATIOS = [("shm/mpi-shm", "mpi-shm", "gradcoll-shm"), ("tcp/mpi-tcp", "mpi-tcp", "gradcoll-tcp"),
           ("tcp/gloo", "gloo", "gradcoll-tcp"), ("shm/gloo", "gloo", "gradcoll-shm"),
           ("alloc/mpi-shm", "mpi-shm", "gradcoll-shm-alloc"), ("floor", "memcpy", "gradcoll-shm"),
-          ("det cost", "gradcoll-shm-det", "gradcoll-shm"), ("bf16 cost", "gradcoll-shm-bf16", "gradcoll-shm")]
+          ("det cost", "gradcoll-shm-det", "gradcoll-shm"), ("bf16 cost", "gradcoll-shm-bf16", "gradcoll-shm"),
+          ("det cost/same", "gradcoll-shm-det/same", "gradcoll-shm/same"),
+          ("bf16 cost/same", "gradcoll-shm-bf16/same", "gradcoll-shm/same")]
 
 
 def best(rows: list[dict]) -> list[dict]:
@@ -319,7 +353,8 @@ def main(argv: list[str] | None = None) -> int:
             print(f"# round {rnd + 1}/{a.rounds}: {kind} on {a.nprocs} ranks ...", file=sys.stderr, flush=True)
             rows += run(kind, a.nprocs, a.sizes[0], a.sizes[1], a.repeats, a.op)
     print(f"# python benches/compare_anchors.py {' '.join(argv if argv is not None else sys.argv[1:])}")
-    print(table(best(rows), impls, a.nprocs, a.op))
+    shown = [r for i in impls for r in ([*SAME_ROWS.values()] if i == SAME else [i])]
+    print(table(best(rows), shown, a.nprocs, a.op))
     if a.json_path:
         with open(a.json_path, "w") as f:
             json.dump(rows, f, indent=1)
