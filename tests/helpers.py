@@ -325,3 +325,23 @@ class Lines:
 if __name__ == "__main__":
     sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
     _mpi_main(sys.argv[1])
+
+
+def simd_widths(module: str) -> Any:
+    """The vector widths the compiled ``module`` runs on this CPU, widest first (2 AVX-512, 1 AVX2, 0 none), each
+    set in turn while the caller's loop body runs and the widest restored after; one ``None`` (nothing set) when
+    the extension is not built, so a test still runs the path that serves then."""
+    import importlib
+
+    try:
+        mod = importlib.import_module(module)
+    except ImportError:
+        yield None
+        return
+    top = mod.simd_level()
+    try:
+        for level in range(top, -1, -1):
+            assert mod.simd_level(level) == level
+            yield level
+    finally:
+        mod.simd_level(2)

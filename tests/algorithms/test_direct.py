@@ -21,6 +21,7 @@ from gradcoll.algorithms.low_precision import wire_allreduce
 from gradcoll.errors import NonFiniteError, UsageError
 from gradcoll.testing import gather_ranks
 from gradcoll.transport.inproc import create_world
+from tests.helpers import simd_widths
 
 pytestmark = pytest.mark.timeout(120)
 
@@ -154,24 +155,18 @@ def mixed_contributions(n: int, count: int, seed: int) -> list[np.ndarray]:
 
 @pytest.mark.parametrize("n", [2, 3, 4, 8])
 def test_deterministic_on_the_window_equals_the_numpy_reference_in_every_lane(n: int) -> None:
-    from gradcoll.algorithms import _direct_c
     from gradcoll.kernels import exact_reference
     count = 8 * 1237 + 5  # a tail after the 8-element groups
     data = mixed_contributions(n, count, seed=n)
     want = np.empty(count, np.float32)
     exact_reference.exact_reduce(data[0], np.stack(data[1:]), want, float(n))
-    top = _direct_c.simd_level()
-    try:
-        for level in range(top, -1, -1):  # the AVX-512, AVX2 and block forms that this CPU has
-            _direct_c.simd_level(level)
-            for mode in MODES:
-                bufs = [d.copy() for d in data]
-                each_rank(n, lambda r, t: direct_exact(t, bufs[r], op="mean", check_finite=False, seq=1,
-                                                       timeout=20.0, mode=mode))
-                for b in bufs:
-                    assert b.tobytes() == want.tobytes(), (level, mode)
-    finally:
-        _direct_c.simd_level(2)
+    for level in simd_widths("gradcoll.algorithms._direct_c"):  # the AVX-512, AVX2 and block forms this CPU has
+        for mode in MODES:
+            bufs = [d.copy() for d in data]
+            each_rank(n, lambda r, t: direct_exact(t, bufs[r], op="mean", check_finite=False, seq=1,
+                                                   timeout=20.0, mode=mode))
+            for b in bufs:
+                assert b.tobytes() == want.tobytes(), (level, mode)
 
 
 @pytest.mark.parametrize("wire", ["bf16", "fp16"])
@@ -208,7 +203,6 @@ def _wire_reference(data: list[np.ndarray], wire: str, op: str) -> np.ndarray:
 @pytest.mark.parametrize("n", [2, 3, 4])
 @pytest.mark.parametrize("wire", ["bf16", "fp16"])
 def test_wire_dtype_on_the_window_has_the_reference_bits_at_every_vector_width(wire: str, n: int) -> None:
-    from gradcoll.algorithms import _direct_c
     count = 16 * 811 + 7  # a tail after the 16-lane groups
     rng = np.random.default_rng(n)
     data = [(rng.standard_normal(count) * np.exp2(rng.integers(-140, 120, count))).astype(np.float32)
@@ -218,20 +212,15 @@ def test_wire_dtype_on_the_window_has_the_reference_bits_at_every_vector_width(w
         d[rng.choice(count, 40, replace=False)] = -0.0
         d[rng.choice(count, 40, replace=False)] = np.uint32(0x3F808000).view(np.float32)
         d[rng.choice(count, 10, replace=False)] = np.float32(3.4e38)
-    top = _direct_c.simd_level()
-    try:
-        for level in range(top, -1, -1):
-            _direct_c.simd_level(level)
-            for op in ("mean", "sum"):
-                want = _wire_reference(data, wire, op)
-                for mode in MODES[1:]:
-                    bufs = [d.copy() for d in data]
-                    each_rank(n, lambda r, t: direct_wire(t, bufs[r], wire=wire, op=op, check_finite=False, seq=1,
-                                                          timeout=20.0, mode=mode))
-                    for b in bufs:
-                        assert b.tobytes() == want.tobytes(), (level, op, mode)
-    finally:
-        _direct_c.simd_level(2)
+    for level in simd_widths("gradcoll.algorithms._direct_c"):
+        for op in ("mean", "sum"):
+            want = _wire_reference(data, wire, op)
+            for mode in MODES[1:]:
+                bufs = [d.copy() for d in data]
+                each_rank(n, lambda r, t: direct_wire(t, bufs[r], wire=wire, op=op, check_finite=False, seq=1,
+                                                      timeout=20.0, mode=mode))
+                for b in bufs:
+                    assert b.tobytes() == want.tobytes(), (level, op, mode)
 
 
 def test_alloc_reduces_in_place_without_a_copy_in() -> None:

@@ -15,6 +15,7 @@ import gradcoll
 from gradcoll import kernels as K
 from gradcoll.kernels import lowp_reference as R
 from gradcoll.kernels import numba_lowp, reference
+from tests.helpers import simd_widths
 
 HOST = [b for b in K.available_backends() if b in ("numba", "cython")]
 needs_ext = pytest.mark.skipif("cython" not in HOST, reason="needs the compiled extension (pip install -e . with a C compiler)")
@@ -184,40 +185,34 @@ def test_compiled_wire_kernels_at_every_vector_width(wire: str) -> None:
     """The AVX-512, AVX2 and scalar loops of the compiled extension (as many as this CPU has) give the
     oracle's bits, and each one's finite check catches a value that the wire cannot hold, wherever it is."""
     from gradcoll.errors import NonFiniteError
-    from gradcoll.kernels import _cython_kernels as C
     rng = np.random.default_rng(81)
     every = np.arange(1 << 16, dtype=np.uint32).astype(np.uint16)
     acc0 = rng.standard_normal(every.size).astype(np.float32)
-    top = C.simd_level()
-    try:
-        for level in range(top, -1, -1):
-            assert C.simd_level(level) == level
-            for m in (100_003, 15, 16, 17, 31, 32, 33, 47, 48, 65):
-                u = rng.integers(0, 2**32, m, dtype=np.uint64).astype(np.uint32)
-                u[rng.integers(0, m, max(1, m // 4))] &= 0xFFFF8000  # halfway cases, both parities, and their
-                u[rng.integers(0, m, max(1, m // 8))] |= 0x00000001  # neighbours, for the rounding of bf16
-                x = u.view(np.float32)
-                want = np.empty(m, np.uint16)
-                R.encode(x, want, wire, False)
-                assert np.array_equal(K.encode_wire(x, wire=wire, check_finite=False, backend="cython"), want)
-                for bad in (np.float32(3.4e38), np.float32(np.nan), np.float32(-np.inf)):
-                    y = np.ones(m, np.float32)
-                    at = int(rng.integers(0, m))
-                    y[at] = bad
-                    with pytest.raises(NonFiniteError):
-                        K.encode_wire(y, wire=wire, check_finite=True, backend="cython")
-                K.encode_wire(np.ones(m, np.float32), wire=wire, check_finite=True, backend="cython")
-            for d in (None, 2, 3):
-                a1, a2 = acc0.copy(), acc0.copy()
-                R.accumulate(a1, every, wire, d, False)
-                K.accumulate_wire(a2, every, wire, divide_by=d, check_finite=False, backend="cython")
-                assert np.array_equal(a1.view(np.uint32), a2.view(np.uint32)), (level, d)
-            ref = np.empty(every.size, np.float32)
-            R.decode(every, ref, wire)
-            assert np.array_equal(K.decode_wire(every, wire=wire, backend="cython").view(np.uint32),
-                                  ref.view(np.uint32)), level
-    finally:
-        C.simd_level(2)
+    for level in simd_widths("gradcoll.kernels._cython_kernels"):
+        for m in (100_003, 15, 16, 17, 31, 32, 33, 47, 48, 65):
+            u = rng.integers(0, 2**32, m, dtype=np.uint64).astype(np.uint32)
+            u[rng.integers(0, m, max(1, m // 4))] &= 0xFFFF8000  # halfway cases, both parities, and their
+            u[rng.integers(0, m, max(1, m // 8))] |= 0x00000001  # neighbours, for the rounding of bf16
+            x = u.view(np.float32)
+            want = np.empty(m, np.uint16)
+            R.encode(x, want, wire, False)
+            assert np.array_equal(K.encode_wire(x, wire=wire, check_finite=False, backend="cython"), want)
+            for bad in (np.float32(3.4e38), np.float32(np.nan), np.float32(-np.inf)):
+                y = np.ones(m, np.float32)
+                at = int(rng.integers(0, m))
+                y[at] = bad
+                with pytest.raises(NonFiniteError):
+                    K.encode_wire(y, wire=wire, check_finite=True, backend="cython")
+            K.encode_wire(np.ones(m, np.float32), wire=wire, check_finite=True, backend="cython")
+        for d in (None, 2, 3):
+            a1, a2 = acc0.copy(), acc0.copy()
+            R.accumulate(a1, every, wire, d, False)
+            K.accumulate_wire(a2, every, wire, divide_by=d, check_finite=False, backend="cython")
+            assert np.array_equal(a1.view(np.uint32), a2.view(np.uint32)), (level, d)
+        ref = np.empty(every.size, np.float32)
+        R.decode(every, ref, wire)
+        assert np.array_equal(K.decode_wire(every, wire=wire, backend="cython").view(np.uint32),
+                              ref.view(np.uint32)), level
 
 
 @pytest.mark.parametrize("backend", WIRE_BACKENDS)
