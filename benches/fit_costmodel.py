@@ -21,10 +21,12 @@ the % error of the prediction for each measured row. Loopback transports
 (tcp and shm on one host) have no link, so ``beta`` is held at zero and
 ``alpha``, ``switch``, ``gamma``, ``delta``, ``mem``, ``l2`` and
 ``wait_share`` are fitted, the node's cache size by trying powers of two.
-Two sizes are not fitted but read: the per-core cache ``l2_bytes`` (level 2,
-from sysfs when ``--run`` measures, stored in every row) and
+Three sizes are not fitted but read: the per-core cache ``l2_bytes`` (level 2,
+from sysfs when ``--run`` measures, stored in every row),
 ``wait_busy_s``, how long a waiting rank of the transport stays runnable
-(shm's yield window, tcp's busy poll: the transports' constants). ``gamma`` is the reduction kernel's
+(shm's yield window, tcp's busy poll: the transports' constants), and
+``piece_bytes``, the piece tcp's compiled recursive-doubling step reduces
+in cache (``gradcoll.transport.tcp_fast.PIECE_BYTES``). ``gamma`` is the reduction kernel's
 cost, the same whatever transport carries the bytes: with rows of several
 transports it is one value for all of them, the one (on a grid) with the
 lowest mean error over all their rows. Each row says the node it ran on
@@ -159,6 +161,13 @@ def wait_busy(rows: list[dict[str, Any]]) -> float:
     return 0.0
 
 
+def piece(rows: list[dict[str, Any]]) -> float:
+    """The piece a recursive-doubling round of the rows' transport reduces in cache (tcp's compiled step), else 0."""
+    from gradcoll.transport import tcp, tcp_fast
+
+    return float(tcp_fast.PIECE_BYTES) if {r["transport"] for r in rows} == {"tcp"} and tcp._IO is not None else 0.0
+
+
 def time_key(rows: list[dict[str, Any]]) -> str:
     return MEDIAN if all(MEDIAN in r for r in rows) else MEAN
 
@@ -185,7 +194,7 @@ def fit_best(rows: list[dict[str, Any]], key: str, gamma: float | None = None) -
     fixed = None if gamma is None else {"gamma_s_per_byte": gamma}
     for cache in CACHES:
         m = fit(rows, time_key=key, params=params, fixed=fixed, cache_bytes=cache, l2_bytes=l2_of(rows),
-                wait_busy_s=wait_busy(rows))
+                wait_busy_s=wait_busy(rows), piece_bytes=piece(rows))
         score = sum(abs(e) for _, _, e in errors(rows, m, key)) / len(rows)
         if best is None or score < best[0]:
             best = (score, m)

@@ -51,6 +51,7 @@ from . import tags
 from ._common import TRANSLATED, Coll, Options, Workspace, combiner, scratch
 from ._guard import ERRORS, fail, guarded_allreduce
 from ._handshake import descriptor
+from ._verdict import NONFINITE
 
 __all__ = ["recursive_doubling_allreduce", "butterfly", "rd_pass"]
 
@@ -154,21 +155,24 @@ def _stepped(t: Transport, buf: np.ndarray, op: str, check: bool, seq: int, time
     limit = t.timeout if timeout is None else timeout
     started = time.monotonic()
     coll: Coll | None = None
+    found: list[tuple[int, float]] = []  # this rank's input, not finite beyond the first round's first piece
     for k in range(rounds):
         peer, last = me ^ (1 << k), k == rounds - 1
         t0 = time.perf_counter()
         try:
             how = step(peer, flat, tmp, tag0 + tags.RD_ROUND, max(0.0, started + limit - time.monotonic()),
-                       n if last and op == "mean" else 1, check and k == 0, check)
+                       n if last and op == "mean" else 1, check and k == 0, check, found)
         except ERRORS as exc:
-            coll = _coll(t, flat, seq, limit, started, desc, tag0, rounds, k)
+            coll = _coll(t, flat, seq, limit, started, desc, tag0, rounds, k, found)
             fail(coll, coll.translate(exc, peer) if isinstance(exc, TRANSLATED) else exc)
         finally:
             t.note_wait(time.perf_counter() - t0)  # as Coll.sendrecv counts it (ProcessGroup.stats() "wait time")
+        if found and coll is None:
+            coll = _coll(t, flat, seq, limit, started, desc, tag0, rounds, k, found)
         if how == _DECLINED and k == 0:
             return False
         if how <= _MOVED:  # moved by the engine, or (another thread's work queued) to move on the general path
-            coll = coll or _coll(t, flat, seq, limit, started, desc, tag0, rounds, k)
+            coll = coll or _coll(t, flat, seq, limit, started, desc, tag0, rounds, k, found)
             coll.step = k + 1
             if how == _DECLINED:
                 try:
@@ -178,16 +182,18 @@ def _stepped(t: Transport, buf: np.ndarray, op: str, check: bool, seq: int, time
             if flat.size:
                 combiner(Options(op, check, seq, limit), n)(flat, tmp, last)
     if check and flat.size and not math.isfinite(flat[0]):  # the marker every round carried on
-        coll = coll or _coll(t, flat, seq, limit, started, desc, tag0, rounds, rounds - 1)
+        coll = coll or _coll(t, flat, seq, limit, started, desc, tag0, rounds, rounds - 1, found)
         fail(coll, None, (0, float(flat[0])))
     return True
 
 
 def _coll(t: Transport, flat: np.ndarray, seq: int, limit: float, started: float, desc: tuple[int, ...],
-          tag0: int, rounds: int, k: int) -> Coll:
+          tag0: int, rounds: int, k: int, found: list[tuple[int, float]]) -> Coll:
     """The ``Coll`` the guard would have run this call with, at round ``k``: for the error path and the general
-    rounds."""
+    rounds. ``found``: this rank's non-finite input element, as the guard's local check reports it."""
     coll = Coll(t, _NAME, seq, flat.nbytes, limit)
+    if found:
+        coll.status = (NONFINITE, int(found[0][0]), float(found[0][1]))
     coll.started, coll.desc, coll.tag0, coll.pending = started, desc, tag0, {}
     coll.begin(rounds)
     coll.deadline.at = started + limit  # the call's deadline, not a fresh one

@@ -36,6 +36,13 @@ A transport is described by ``AlphaBeta``:
   yields for 2 ms, tcp polls 50 us), not fitted. It applies where the
   critical rank works while others wait (the star's root), not where every
   rank works at once (the node's shared CPU already counts those).
+* ``piece_bytes``: where the transport runs a recursive-doubling round as
+  one compiled step that reduces the peer's bytes as they arrive, with the
+  send at most this far ahead of the receive (tcp: 256 KiB,
+  ``gradcoll.transport.tcp_fast.PIECE_BYTES``), the round's per-core
+  working set is that piece, not the message: the ``l2`` term counts the
+  piece. The step runs where ``n`` is a power of two (no fold, no
+  unfold). Not fitted (0: the whole message).
 
 The node is an explicit input (``Node``: ranks on one node and the
 cores they share); the default, ``node=None``, gives every rank a core of its
@@ -140,6 +147,7 @@ class AlphaBeta:
     l2_bytes: float = 0.0
     wait_share: float = 0.0
     wait_busy_s: float = 0.0
+    piece_bytes: float = 0.0
 
     def describe(self) -> str:
         """``alpha 12.3 us, beta 1.05 GB/s, gamma 4.2 GB/s`` (bandwidths as 1/beta, ...), then the optional terms."""
@@ -156,6 +164,8 @@ class AlphaBeta:
             out += f", l2 {self.l2_s_per_byte * 1e12:.3g} ps/B beyond {self.l2_bytes / (1 << 20):.3g} MiB per core"
         if self.wait_share:
             out += f", wait share {self.wait_share:.2g} of the first {self.wait_busy_s * 1e6:.3g} us"
+        if self.piece_bytes:
+            out += f", recursive doubling in {self.piece_bytes / 1024:.3g} KiB pieces"
         return out
 
 
@@ -239,6 +249,8 @@ def terms(algorithm: str, n: int, nbytes: float) -> tuple[float, float, float]:
 def _columns(algorithm: str, n: int, nbytes: float, node: Node | None, model: AlphaBeta | None) -> np.ndarray:
     """The coefficients of ``PARAMETERS`` in the predicted time (the CPU branch chosen with ``model``)."""
     w = work(algorithm, n, nbytes)
+    if algorithm == "recursive_doubling" and model is not None and 0 < model.piece_bytes < w.message and not n & (n - 1):
+        w = w._replace(message=model.piece_bytes)  # the transport's step reduces each piece while it is in cache
     ranks, cores = (1, 1.0) if node is None else (min(node.ranks, n), node.cores)
     cache = 0.0 if model is None else model.cache_bytes
     out_of_cache = max(0.0, 1.0 - cache / (float(nbytes) * ranks)) if nbytes > 0 else 0.0
@@ -297,7 +309,7 @@ EARLIER_TIME_KEYS = {"iter_mean_us_avg_over_ranks": "time_avg_us", "iter_mean_us
 def fit(rows: Iterable[Mapping[str, Any]], *, time_key: str = "iter_mean_us_avg_over_ranks",
         params: Sequence[str] = ("alpha_s", "beta_s_per_byte", "gamma_s_per_byte"),
         fixed: Mapping[str, float] | None = None, cache_bytes: float = 0.0, l2_bytes: float = 0.0,
-        wait_busy_s: float = 0.0) -> AlphaBeta:
+        wait_busy_s: float = 0.0, piece_bytes: float = 0.0) -> AlphaBeta:
     """Least-squares fit of the ``params`` (of ``PARAMETERS``) to ``gradcoll bench --json`` rows.
 
     Each row needs ``algorithm`` (one of ``ALGORITHMS``), ``ranks``,
@@ -308,6 +320,7 @@ def fit(rows: Iterable[Mapping[str, Any]], *, time_key: str = "iter_mean_us_avg_
     relative to the measured time. ``fixed`` holds parameters at given values
     (e.g. ``gamma_s_per_byte`` from a kernel benchmark); the rest are zero.
     ``cache_bytes`` is not fitted (it enters non-linearly): try several.
+    ``piece_bytes`` (the transport's recursive-doubling piece) is not fitted either.
     Rows of at least two algorithms (or two world sizes) are needed to tell
     the per-byte terms apart.
     """
@@ -334,7 +347,7 @@ def fit(rows: Iterable[Mapping[str, Any]], *, time_key: str = "iter_mean_us_avg_
     coef = held.copy()
     coef[free] = 1e-9  # any positive start: only picks the first CPU branch of oversubscribed rows
     for _ in range(20):  # the CPU branch of oversubscribed rows depends on the parameters: iterate to a fixed point
-        model = _from_vector(coef, cache_bytes, l2_bytes, wait_busy_s)
+        model = _from_vector(coef, cache_bytes, l2_bytes, wait_busy_s, piece_bytes)
         a = np.array([_columns(al, n, s, nd, model) for al, n, s, nd in data])
         y = (t - a @ held) / t  # relative residuals
         a = a / t[:, None]
@@ -349,12 +362,14 @@ def fit(rows: Iterable[Mapping[str, Any]], *, time_key: str = "iter_mean_us_avg_
         if np.allclose(new, coef, rtol=1e-9, atol=0.0):
             break
         coef = new
-    return _from_vector(coef, cache_bytes, l2_bytes, wait_busy_s)
+    return _from_vector(coef, cache_bytes, l2_bytes, wait_busy_s, piece_bytes)
 
 
-def _from_vector(coef: np.ndarray, cache_bytes: float, l2_bytes: float = 0.0, wait_busy_s: float = 0.0) -> AlphaBeta:
+def _from_vector(coef: np.ndarray, cache_bytes: float, l2_bytes: float = 0.0, wait_busy_s: float = 0.0,
+                 piece_bytes: float = 0.0) -> AlphaBeta:
     values = {name: float(v) for name, v in zip(PARAMETERS, coef, strict=True)}
-    return AlphaBeta(**values, cache_bytes=float(cache_bytes), l2_bytes=float(l2_bytes), wait_busy_s=float(wait_busy_s))
+    return AlphaBeta(**values, cache_bytes=float(cache_bytes), l2_bytes=float(l2_bytes), wait_busy_s=float(wait_busy_s),
+                     piece_bytes=float(piece_bytes))
 
 
 def crossovers(model: AlphaBeta, n: int, *, lo: int = 1 << 10, hi: int = 1 << 30,

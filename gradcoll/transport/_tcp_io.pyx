@@ -14,8 +14,8 @@ raised: the transport words them (``gradcoll.transport.tcp``).
 ``exchange`` is one whole step of a small exchange-and-reduce (a
 recursive-doubling round, ``gradcoll.transport.tcp_fast``): this rank's
 frame out and the peer's in, both directions at once, the peer's header
-checked as the engine checks it, then the received payload added into the
-sent buffer with the fused accumulate and finite check of
+checked as the engine checks it, and the received payload added into the
+sent buffer as it arrives, with the fused accumulate and finite check of
 ``gradcoll.kernels`` (``_fused.h``, the same loop and so the same bits as
 ``gradcoll.kernels.accumulate``). Anything it does not expect ends the
 call with what it has moved, for the engine to carry on from.
@@ -23,7 +23,7 @@ call with what it has moved, for the engine to carry on from.
 
 cimport numpy as cnp
 from libc.errno cimport EAGAIN, EINTR, errno
-from libc.math cimport NAN, frexp
+from libc.math cimport NAN, frexp, isfinite
 from libc.stdint cimport uint8_t, uint32_t, uint64_t
 
 cnp.import_array()
@@ -261,25 +261,70 @@ cdef inline int _finish(double divisor, double* f) noexcept nogil:
     return GC_DIV
 
 
+cdef inline int _acc(uint8_t* a, uint8_t* b, Py_ssize_t lo, Py_ssize_t hi, int is64, double f, int mode) noexcept nogil:
+    """``acc[lo:hi] += tmp[lo:hi]`` (divided as ``_finish`` says) with the finite check; 1: finite."""
+    if hi <= lo:
+        return 1
+    if is64:
+        return gc_acc_d(<double*>a + lo, <double*>b + lo, hi - lo, f, mode, 1.0, 0)
+    return gc_acc_f(<float*>a + lo, <float*>b + lo, hi - lo, <float>f, mode, 1.0, 0)
+
+
+cdef inline void _mark(uint8_t* a, int is64) noexcept nogil:
+    """The marker every later round carries on (``_common.plant``): a NaN at element 0."""
+    if is64:
+        (<double*>a)[0] = NAN
+    else:
+        (<float*>a)[0] = NAN
+
+
+#: Elements reduced at a time while the frames move (64 KiB of float32): the received bytes are still in cache,
+#: and the reduction fills the time the sockets make the call wait.
+cdef Py_ssize_t REDUCE_STEP = 16384
+cdef inline int _finite(const uint8_t* a, Py_ssize_t lo, Py_ssize_t hi, int is64) noexcept nogil:
+    if hi <= lo:
+        return 1
+    return gc_finite_d(<const double*>a + lo, hi - lo) if is64 else gc_finite_f(<const float*>a + lo, hi - lo)
+
+
+cdef inline Py_ssize_t _first_bad(const uint8_t* a, Py_ssize_t lo, Py_ssize_t hi, int is64) noexcept nogil:
+    """The first non-finite element of ``a[lo:hi]`` (which ``_finite`` found to hold one)."""
+    cdef Py_ssize_t i
+    for i in range(lo, hi):
+        if not isfinite((<const double*>a)[i] if is64 else (<const float*>a)[i]):
+            return i
+    return hi - 1
+
+
 def exchange(int fd, int wake, cnp.ndarray acc, cnp.ndarray tmp, uint32_t tag, uint64_t sseq, uint64_t rseq,
-             double spin, double timeout, double divisor, bint check_input, bint check):
+             double spin, double timeout, double divisor, bint check_input, bint check, Py_ssize_t ahead):
     """One exchange-and-reduce with the peer on ``fd``: ``acc`` out (frame ``sseq``), ``tmp`` in (frame ``rseq``),
-    then ``acc += tmp`` (divided by ``divisor``) with the finite check when ``check``.
+    and ``acc += tmp`` (divided by ``divisor``) with the finite check when ``check``.
 
     ``acc`` and ``tmp`` are C-contiguous arrays of one float dtype (float32 or
-    float64) and size. ``check_input``: first check ``acc`` itself, and send
-    nothing when it is not finite. Waits as ``wait`` does (``spin`` seconds of
+    float64) and size. ``check_input``: check ``acc`` itself, each piece
+    just before the socket takes it. A non-finite element in the first
+    ``ahead`` bytes ends the call before anything is sent (``BAD_INPUT``);
+    one further on is reported (``bad_input``) and the frames still move. Waits as ``wait`` does (``spin`` seconds of
     polling, then blocking) for at most ``timeout`` seconds (< 0: no limit),
     and stops when ``wake`` is readable (another thread queued work).
 
-    Returns ``(outcome, sent, received, send_errno, recv_errno, eof, header)``:
-    the outcome (``DONE``, ``NONFINITE``, ``BAD_INPUT`` or ``STOPPED``), the
-    bytes of each frame moved, header included, the errno that stopped either
-    direction (0: none), whether the peer closed the stream, and on
-    ``STOPPED`` the header bytes received so far (None when none). It stops
-    as soon as a complete header is not the expected DATA header (seq, tag,
-    length): the caller's engine then judges it. On ``STOPPED`` nothing is
-    reduced.
+    The send runs at most ``ahead`` payload bytes ahead of the receive. The
+    reduction runs as the frames move: the elements both sent and
+    received are reduced ``REDUCE_STEP`` at a time (an element of ``acc`` is
+    only changed once its bytes are on the wire).
+
+    Returns ``(outcome, sent, received, send_errno, recv_errno, eof, header,
+    reduced, finite, bad_input)``: the outcome (``DONE``, ``NONFINITE``, ``BAD_INPUT`` or
+    ``STOPPED``), the bytes of each frame moved, header included, the errno
+    that stopped either direction (0: none), whether the peer closed the
+    stream, on ``STOPPED`` the header bytes received so far (None when none),
+    the elements already reduced with whether they came out finite, and
+    ``(index, value)`` of the first non-finite element of the input found
+    once the frame had started (None: none; the result is not finite). It
+    stops as soon as a complete header is not the expected DATA header (seq,
+    tag, length): the caller's engine then judges it. After ``STOPPED`` the
+    caller finishes the frames and then ``reduce_rest``.
     """
     cdef int is64 = cnp.PyArray_TYPE(acc) == cnp.NPY_DOUBLE
     cdef Py_ssize_t m = cnp.PyArray_SIZE(acc), nbytes = cnp.PyArray_NBYTES(acc)
@@ -292,12 +337,17 @@ def exchange(int fd, int wake, cnp.ndarray acc, cnp.ndarray tmp, uint32_t tag, u
     cdef uint8_t* b = <uint8_t*>cnp.PyArray_DATA(tmp)
     cdef uint8_t sh[HDR]
     cdef uint8_t rh[HDR]
-    cdef Py_ssize_t total = HDR + nbytes, soff = 0, roff = 0, before
-    cdef int serr = 0, rerr = 0, eof = 0, bad = 0, moved, ready, ms, outcome = X_STOPPED, mode
+    cdef Py_ssize_t total = HDR + nbytes, soff = 0, roff = 0, before, red = 0, ready_elems, lim
+    cdef Py_ssize_t item = 8 if is64 else 4, chk = m, bad_i = -1, upto
+    cdef int serr = 0, rerr = 0, eof = 0, bad = 0, moved, ready, ms, outcome = X_STOPPED, mode, fin = 1
     cdef pollfd pfd[2]
-    cdef double now, spin_end, end, f
-    if check_input and m and not (gc_finite_d(<double*>a, m) if is64 else gc_finite_f(<float*>a, m)):
-        return X_BAD_INPUT, 0, 0, 0, 0, False, None
+    cdef double now, spin_end, end, f, bad_v = 0.0
+    if ahead < 4096:
+        raise ValueError("exchange runs the send at least 4096 bytes ahead of the receive")
+    if check_input and m:
+        chk = ahead // item if m > ahead // item else m
+        if not _finite(a, 0, chk, is64):
+            return X_BAD_INPUT, 0, 0, 0, 0, False, None, 0, True, None
     _put_header(sh, tag, sseq, nbytes)
     mode = _finish(divisor, &f)
     with nogil:
@@ -306,7 +356,20 @@ def exchange(int fd, int wake, cnp.ndarray acc, cnp.ndarray tmp, uint32_t tag, u
         end = now + timeout
         while True:
             before = soff
-            soff = _move(fd, sh, a, soff, total, True, &serr, &eof)  # everything the socket takes now
+            lim = roff + ahead if roff > HDR else HDR + ahead
+            if lim > total:
+                lim = total
+            if chk < m:  # the input's next piece, checked just before the socket copies it
+                upto = (lim - HDR + item - 1) // item
+                if upto > m:
+                    upto = m
+                if upto > chk:
+                    if not _finite(a, chk, upto, is64):
+                        bad_i = _first_bad(a, chk, upto, is64)
+                        bad_v = (<double*>a)[bad_i] if is64 else (<float*>a)[bad_i]
+                        upto = m  # the result is not finite: nothing more to find
+                    chk = upto
+            soff = _move(fd, sh, a, soff, lim, True, &serr, &eof)  # everything the socket takes now
             moved = soff > before
             if serr:
                 break
@@ -322,23 +385,21 @@ def exchange(int fd, int wake, cnp.ndarray acc, cnp.ndarray tmp, uint32_t tag, u
             if rerr or eof or bad:
                 break
             if soff == total and roff == total:
-                if m == 0:
-                    outcome = X_DONE
-                elif is64:
-                    outcome = X_DONE if gc_acc_d(<double*>a, <double*>b, m, f, mode, 1.0, 0) or not check else X_NONFINITE
-                else:
-                    outcome = X_DONE if gc_acc_f(<float*>a, <float*>b, m, <float>f, mode, 1.0, 0) or not check \
-                        else X_NONFINITE
-                if outcome == X_NONFINITE:  # the marker every later round carries on (``_common.plant``)
-                    if is64:
-                        (<double*>a)[0] = NAN
-                    else:
-                        (<float*>a)[0] = NAN
+                fin = _acc(a, b, red, m, is64, f, mode) & fin
+                red = m
+                outcome = X_DONE if fin or not check else X_NONFINITE
+                if outcome == X_NONFINITE:
+                    _mark(a, is64)
                 break
+            ready_elems = ((soff if soff < roff else roff) - HDR) // item
+            if ready_elems - red >= REDUCE_STEP:  # sent and received: reduce it while the sockets work
+                fin = _acc(a, b, red, ready_elems, is64, f, mode) & fin
+                red = ready_elems
+                continue
             if moved:
                 continue
             pfd[0].fd = fd
-            pfd[0].events = (POLLIN_ if roff < total else 0) | (POLLOUT_ if soff < total else 0)
+            pfd[0].events = (POLLIN_ if roff < total else 0) | (POLLOUT_ if soff < lim else 0)
             pfd[0].revents = 0
             pfd[1].fd = wake
             pfd[1].events = POLLIN_
@@ -356,4 +417,29 @@ def exchange(int fd, int wake, cnp.ndarray acc, cnp.ndarray tmp, uint32_t tag, u
             if ready > 0 and pfd[1].revents:
                 break  # another thread queued work: the engine drives from here
     return (outcome, soff, roff, serr, rerr, bool(eof),
-            (<bytes>(<char*>rh)[:min(roff, HDR)]) if outcome == X_STOPPED and roff else None)
+            (<bytes>(<char*>rh)[:min(roff, HDR)]) if outcome == X_STOPPED and roff else None, red, bool(fin),
+            None if bad_i < 0 else (bad_i, bad_v))
+
+
+def reduce_rest(cnp.ndarray acc, cnp.ndarray tmp, Py_ssize_t done, double divisor, bint finite, bint check):
+    """Finish a stopped ``exchange`` once the engine moved both frames: ``acc[done:] += tmp[done:]``.
+
+    ``finite``: what ``exchange`` reported for the first ``done`` elements.
+    Returns ``DONE`` or ``NONFINITE`` (marked with a NaN at element 0), as
+    ``exchange`` would have.
+    """
+    cdef int is64 = cnp.PyArray_TYPE(acc) == cnp.NPY_DOUBLE
+    cdef Py_ssize_t m = cnp.PyArray_SIZE(acc)
+    if (not is64 and cnp.PyArray_TYPE(acc) != cnp.NPY_FLOAT) or cnp.PyArray_TYPE(tmp) != cnp.PyArray_TYPE(acc) \
+            or cnp.PyArray_SIZE(tmp) != m or not cnp.PyArray_IS_C_CONTIGUOUS(acc) \
+            or not cnp.PyArray_IS_C_CONTIGUOUS(tmp) or not cnp.PyArray_ISWRITEABLE(acc) or not 0 <= done <= m:
+        raise ValueError("reduce_rest takes the arrays of the exchange and what it reduced")
+    cdef uint8_t* a = <uint8_t*>cnp.PyArray_DATA(acc)
+    cdef uint8_t* b = <uint8_t*>cnp.PyArray_DATA(tmp)
+    cdef double f
+    cdef int mode = _finish(divisor, &f), fin = finite
+    with nogil:
+        fin = _acc(a, b, done, m, is64, f, mode) & fin
+        if not fin and check:
+            _mark(a, is64)
+    return X_DONE if fin or not check else X_NONFINITE

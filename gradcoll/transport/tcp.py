@@ -134,15 +134,17 @@ class TcpTransport(FramedTransport):
         self._revents = array.array("h", [0] * (1 + len(self._peers)))
 
     def exchange_reduce(self, peer: int, acc: np.ndarray, tmp: np.ndarray, tag: int, timeout: float | None,
-                        divisor: float, check_input: bool, check: bool) -> int:
+                        divisor: float, check_input: bool, check: bool,
+                        found: list[tuple[int, float]] | None = None) -> int:
         """``sendrecv(peer, acc, peer, tmp)`` then ``acc += tmp`` (``/ divisor``), in one compiled step where it can.
 
         An outcome of ``gradcoll.transport.tcp_fast`` (``DECLINED``: nothing
-        moved, run the general path; ``MOVED``: the caller reduces).
+        moved, run the general path). ``found`` receives ``(index, value)``
+        when ``check_input`` found ``acc`` not finite after its frame started.
         """
         if _IO is None:
             return fast.DECLINED
-        return fast.exchange_reduce(self, _IO, peer, acc, tmp, tag, timeout, divisor, check_input, check)
+        return fast.exchange_reduce(self, _IO, peer, acc, tmp, tag, timeout, divisor, check_input, check, found)
 
     # -- waiting ---------------------------------------------------------
     def _before_idle(self) -> None:

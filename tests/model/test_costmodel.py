@@ -237,3 +237,17 @@ def test_auto_keeps_the_shape() -> None:
         assert select_allreduce(1 << 30, n) == "ring"
         assert select_allreduce(4 << 10, n) in ("recursive_doubling", "star")
     assert select_allreduce(64, 1) in ("recursive_doubling", "star", "ring")
+
+
+def test_a_transports_piece_sizes_the_cache_term_of_its_recursive_doubling_rounds() -> None:
+    whole = AlphaBeta(alpha_s=1e-5, beta_s_per_byte=0.0, gamma_s_per_byte=1e-10, l2_s_per_byte=1e-10,
+                      l2_bytes=512 << 10)
+    piece = AlphaBeta(**{**whole.__dict__, "piece_bytes": 256 << 10})
+    node = Node(2, 2)
+    s = 16 << 20
+    # 4 copies of a 16 MiB message miss a 512 KiB cache almost entirely; of a 256 KiB piece, half of the time
+    miss_whole, miss_piece = 1 - (512 << 10) / (4 * s), 1 - (512 << 10) / (4 * (256 << 10))
+    saved = predict("recursive_doubling", 2, s, whole, node=node) - predict("recursive_doubling", 2, s, piece, node=node)
+    assert saved == pytest.approx(1e-10 * 3 * s * (miss_whole - miss_piece))  # reduced S + copied 2 S
+    for algo, n in (("ring", 2), ("star", 4), ("recursive_doubling", 3)):  # no step there: the whole message
+        assert predict(algo, n, s, piece, node=Node(n, 2)) == predict(algo, n, s, whole, node=Node(n, 2))

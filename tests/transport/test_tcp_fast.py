@@ -112,7 +112,8 @@ def test_the_same_bits_as_the_general_path(worlds, outcomes, monkeypatch) -> Non
     assert all(a.tobytes() == general[0].tobytes() for a in stepped + general)
 
 
-def test_large_buffers_and_other_sizes_take_the_general_path(worlds, outcomes) -> None:
+def test_buffers_over_the_limit_and_other_sizes_take_the_general_path(worlds, outcomes, monkeypatch) -> None:
+    monkeypatch.setattr(tcp_fast, "SMALL_BYTES", 4096)
     big = tcp_fast.SMALL_BYTES // 4 + 1
     ts = worlds(2)
     bufs = [np.full(big, r + 1.0, np.float32) for r in range(2)]
@@ -145,6 +146,74 @@ def test_a_nan_input_halts_every_rank_naming_it(worlds, outcomes) -> None:
         assert isinstance(e, NonFiniteError), (r, e)
         assert (e.contributor, e.index, e.seq, e.rank) == (2, 37, 7, r)
     assert outcomes.count(DECLINED) == 1 and NONFINITE in outcomes
+
+
+#: float32 elements in the first piece the step checks before it sends anything (``tcp_fast.PIECE_BYTES``).
+PIECE = tcp_fast.PIECE_BYTES // 4
+
+
+@pytest.mark.parametrize("n,dtype", [(2, np.float32), (4, np.float32), (2, np.float64)])
+def test_large_buffers_take_the_step_with_the_general_paths_bits(worlds, outcomes, monkeypatch, n, dtype) -> None:
+    ts = worlds(n)
+    rng = np.random.default_rng(n)
+    m = 5 * PIECE + 12345  # several pieces ahead of the receive, several reductions while the bytes move, a tail
+    data = [(rng.standard_normal(m) * 1e3).astype(dtype) for _ in range(n)]
+    stepped = [d.copy() for d in data]
+    assert allreduce_all(ts, stepped, seq=3) == [None] * n
+    assert outcomes and set(outcomes) == {REDUCED}
+    monkeypatch.setattr(tcp, "_IO", None)
+    general = [d.copy() for d in data]
+    assert allreduce_all(ts, general, seq=4) == [None] * n
+    assert all(a.tobytes() == general[0].tobytes() for a in stepped + general)
+    want = sum(d.astype(np.float64) for d in data) / n
+    assert np.allclose(general[0], want, rtol=1e-5, atol=1e-2)
+
+
+@pytest.mark.parametrize("where", [PIECE + 7, 4 * PIECE + 1])
+def test_a_non_finite_input_past_the_first_piece_names_its_rank_and_element(worlds, outcomes, where) -> None:
+    ts = worlds(4)
+    bufs = [np.ones(5 * PIECE, np.float32) for _ in range(4)]
+    bufs[1][where] = -np.inf  # found once rank 1's frame has started: every step still moves, rank 1 is named
+    for r, e in enumerate(allreduce_all(ts, bufs, seq=8)):
+        assert isinstance(e, NonFiniteError), (r, e)
+        assert (e.contributor, e.index, e.seq, e.rank) == (1, where, 8, r), str(e)
+    assert DECLINED not in outcomes and NONFINITE in outcomes
+
+
+def test_a_step_stopped_after_reducing_part_of_the_frame_reduces_only_the_rest(monkeypatch) -> None:
+    mine, peer = socket.socketpair()
+    for s in (mine, peer):
+        s.setsockopt(socket.SOL_SOCKET, socket.SO_SNDBUF, 4 << 20)
+        s.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 4 << 20)
+    t = tcp.TcpTransport(0, 2, {1: mine}, timeout=10)
+    peer.settimeout(10)
+    rest: list[int] = []
+    real = tcp._IO.reduce_rest
+
+    def spy(acc: np.ndarray, tmp: np.ndarray, done: int, *a: Any) -> int:
+        rest.append(done)
+        return real(acc, tmp, done, *a)
+
+    monkeypatch.setattr(tcp._IO, "reduce_rest", spy)
+    try:
+        m, first = 40000, 30000
+        theirs = _frame(0, np.full(m, 2.0, np.float32))
+        peer.sendall(theirs[: 24 + 4 * first])  # there before the step starts: reduced in its first pass
+        acc = np.ones(m, np.float32)
+        result: list[Any] = []
+        th = threading.Thread(target=lambda: result.append(_step(t, acc)))
+        th.start()
+        assert _read(peer, 24 + 4 * m) == _frame(0, np.ones(m, np.float32))
+        req = t.isend(1, b"user", tag=9)  # wakes the step: the engine finishes the frames
+        assert req.wait(5) == 4
+        assert _read(peer, fr.HEADER_SIZE + 4) == fr.pack_header(1, 9, 4) + b"user"
+        peer.sendall(theirs[24 + 4 * first :])
+        th.join(10)
+        assert result == [REDUCED] and (acc == 3.0).all()  # the first part reduced once, the rest after
+        assert rest == [first]
+    finally:
+        t.close()
+        peer.close()
 
 
 def test_an_overflow_in_the_compiled_reduce_halts_every_rank(worlds, outcomes) -> None:
@@ -328,7 +397,7 @@ def test_another_threads_send_waits_for_the_step_and_wakes_it(raw) -> None:
     assert _read(peer, fr.HEADER_SIZE + 4) == fr.pack_header(1, 9, 4) + b"user"
     peer.sendall(_frame(0, np.full(4, 2.0, np.float32)))
     th.join(10)
-    assert result == [MOVED] and (acc == 1.0).all()  # handed to the engine: the caller reduces
+    assert result == [REDUCED] and (acc == 3.0).all()  # handed to the engine, then reduced (reduce_rest)
 
 
 def test_close_from_another_thread_ends_the_step(raw) -> None:
