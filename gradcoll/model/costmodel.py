@@ -2,100 +2,75 @@
 
 A transport is described by ``AlphaBeta``:
 
-* ``alpha_s``: fixed cost of one message on the critical path (latency plus
-  per-message software overhead), seconds;
-* ``beta_s_per_byte``: seconds per byte through one rank's link (1 /
-  bandwidth). Full duplex: a rank's sends share its egress, its receives its
-  ingress. Zero for loopback transports, which have no link;
-* ``gamma_s_per_byte``: seconds per byte of incoming contribution added into
-  a partial sum by the reduction kernel (CPU);
-* ``delta_s_per_byte``: CPU seconds per byte a rank copies into or out of the
-  transport (the send side's copy in, the receive side's copy out, and the
-  star root's copy of its own input). On the rank's own core, so a rank's
-  sends and receives add up (half duplex); zero for a link whose transfers
-  cost no CPU;
-* ``switch_s``: per message on the critical path, the extra cost of waking a
-  descheduled peer when a node runs more ranks than it has cores, times
-  ``ranks / cores - 1``;
-* ``mem_s_per_byte`` and ``cache_bytes``: the extra CPU cost per byte
-  (copied or reduced) of the part of the node's working set (``S`` times the
-  ranks on the node) that does not fit in ``cache_bytes``.
-* ``l2_s_per_byte`` and ``l2_bytes``: the same for a core's own cache
-  (level 2), whose working set is one message: a copy or reduction of a
-  message of ``m`` bytes pays ``l2`` on the fraction
-  ``max(0, 1 - l2_bytes / (4 m x))`` (``out_of_l2``): the core touches
-  the message in the user buffer and in the transport's (socket buffer, shm
-  segment), for the message it sends and the one it receives, and ``x``
-  ranks time-sharing the core (``max(1, ranks / cores)``) share its cache.
-  ``l2_bytes`` is read from the machine (sysfs), not fitted;
-* ``wait_share`` and ``wait_busy_s``: on a node with more ranks than cores,
-  a rank waiting for the critical rank stays runnable (busy-polls or
-  yields) for the transport's first ``wait_busy_s`` and takes
-  ``wait_share`` of a core from the working ranks meanwhile, times
-  ``ranks / cores - 1``. ``wait_busy_s`` is the transport's constant (shm
-  yields for 2 ms, tcp polls 50 us), not fitted. It applies where the
-  critical rank works while others wait (the star's root), not where every
-  rank works at once (the node's shared CPU already counts those).
-* ``piece_bytes``: where the transport runs a recursive-doubling round as
-  one compiled step that reduces the peer's bytes as they arrive, with the
-  send at most this far ahead of the receive (tcp: 256 KiB,
-  ``gradcoll.transport.tcp_fast.PIECE_BYTES``), the round's per-core
-  working set is that piece, not the message: the ``l2`` term counts the
-  piece. The step runs where ``n`` is a power of two (no fold, no
-  unfold). Not fitted (0: the whole message).
+* ``alpha_s``: fixed cost of one message on the critical path (latency plus per-message software overhead),
+  seconds;
+* ``beta_s_per_byte``: seconds per byte through one rank's link (1 / bandwidth). Full duplex: a rank's sends
+  share its egress, its receives its ingress. Zero for loopback transports, which have no link;
+* ``gamma_s_per_byte``: seconds per byte of incoming contribution added into a partial sum by the reduction
+  kernel (CPU);
+* ``delta_s_per_byte``: CPU seconds per byte a rank copies into or out of the transport (the send side's copy
+  in, the receive side's copy out, and the star root's copy of its own input). On the rank's own core, so a
+  rank's sends and receives add up (half duplex); zero for a link whose transfers cost no CPU;
+* ``switch_s``: per message on the critical path, the extra cost of waking a descheduled peer when a node runs
+  more ranks than it has cores, times ``ranks / cores - 1``;
+* ``mem_s_per_byte`` and ``cache_bytes``: the extra CPU cost per byte (copied or reduced) of the part of the
+  node's working set (``S`` times the ranks on the node) that does not fit in ``cache_bytes``.
+* ``l2_s_per_byte`` and ``l2_bytes``: the same for a core's own cache (level 2), whose working set is one
+  message: a copy or reduction of a message of ``m`` bytes pays ``l2`` on the fraction ``max(0, 1 - l2_bytes /
+  (4 m x))`` (``out_of_l2``): the core touches the message in the user buffer and in the transport's (socket
+  buffer, shm segment), for the message it sends and the one it receives, and ``x`` ranks time-sharing the
+  core (``max(1, ranks / cores)``) share its cache. ``l2_bytes`` is read from the machine (sysfs), not fitted;
+* ``wait_share`` and ``wait_busy_s``: on a node with more ranks than cores, a rank waiting for the critical
+  rank stays runnable (busy-polls or yields) for the transport's first ``wait_busy_s`` and takes
+  ``wait_share`` of a core from the working ranks meanwhile, times ``ranks / cores - 1``. ``wait_busy_s`` is
+  the transport's constant (shm yields for 2 ms, tcp polls 50 us), not fitted. It applies where the critical
+  rank works while others wait (the star's root), not where every rank works at once (the node's shared CPU
+  already counts those).
+* ``piece_bytes``: where the transport runs a recursive-doubling round as one compiled step that reduces the
+  peer's bytes as they arrive, with the send at most this far ahead of the receive (tcp: 256 KiB,
+  ``gradcoll.transport.tcp_fast.PIECE_BYTES``), the round's per-core working set is that piece, not the
+  message: the ``l2`` term counts the piece. The step runs where ``n`` is a power of two (no fold, no unfold).
+  Not fitted (0: the whole message).
 
-The node is an explicit input (``Node``: ranks on one node and the
-cores they share); the default, ``node=None``, gives every rank a core of its
-own (and the cache to itself), which is what the 8-1,024-rank cluster
-predictions assume.
+The node is an explicit input (``Node``: ranks on one node and the cores they share); the default,
+``node=None``, gives every rank a core of its own (and the cache to itself), which is what the 8-1,024-rank
+cluster predictions assume.
 
-``work`` gives, for one algorithm, world size and buffer size ``S``, the
-messages, link bytes, reduced bytes and copied bytes on the critical path,
-and the mean copied and reduced bytes of the other ranks:
+``work`` gives, for one algorithm, world size and buffer size ``S``, the messages, link bytes, reduced bytes
+and copied bytes on the critical path, and the mean copied and reduced bytes of the other ranks:
 
-The message size per algorithm (for the per-core cache) is ``S/n`` for the
-ring and ``S`` for the star and recursive doubling (``Work.message``).
+The message size per algorithm (for the per-core cache) is ``S/n`` for the ring and ``S`` for the star and
+recursive doubling (``Work.message``).
 
-* ``ring``: ``2 (n-1)`` steps of ``S/n`` bytes, ``n-1`` of them followed by
-  the reduction of ``S/n``; every step copies ``S/n`` in and ``S/n`` out.
-  The model treats each step as one message (it ignores the segment
-  pipelining of ``gradcoll.algorithms.ring``, which can hide part of the
-  reduction behind the next transfer when the link, not the CPU, moves the
-  bytes).
-* ``star``: rank 0 receives ``(n-1) S`` through its ingress, adds ``(n-1) S``
-  and sends ``(n-1) S``; two message latencies. Copies on the critical path:
-  the root's ``2 (n-1) S`` plus ``S`` (its own input into the reduction
-  rows). The first sender's copy in and the last receiver's copy out are not
-  on it: the transports stream a message, and a receiver that is only
-  waiting copies out behind the sender's copy in (see
-  ``gradcoll.model.sim``). They still load the node's memory, so
-  the cache term counts them (``streamed``, ``2 S``).
-* ``recursive_doubling``: ``log2 p`` exchanges of ``S`` bytes (``S`` copied
-  in and ``S`` out: both ends copy their own message in, then the other's
-  out), each followed by the reduction of ``S`` (``p`` the largest power of
-  two <= n); when ``n`` is not a power of two, a fold (``S`` bytes, reduced)
-  and an unfold (``S``) more, each copied once on the critical path (the
-  receiving end waits idle and streams; ``streamed`` ``2 S``).
+* ``ring``: ``2 (n-1)`` steps of ``S/n`` bytes, ``n-1`` of them followed by the reduction of ``S/n``; every
+  step copies ``S/n`` in and ``S/n`` out. The model treats each step as one message (it ignores the segment
+  pipelining of ``gradcoll.algorithms.ring``, which can hide part of the reduction behind the next transfer
+  when the link, not the CPU, moves the bytes).
+* ``star``: rank 0 receives ``(n-1) S`` through its ingress, adds ``(n-1) S`` and sends ``(n-1) S``; two
+  message latencies. Copies on the critical path: the root's ``2 (n-1) S`` plus ``S`` (its own input into the
+  reduction rows). The first sender's copy in and the last receiver's copy out are not on it: the transports
+  stream a message, and a receiver that is only waiting copies out behind the sender's copy in (see
+  ``gradcoll.model.sim``). They still load the node's memory, so the cache term counts them (``streamed``,
+  ``2 S``).
+* ``recursive_doubling``: ``log2 p`` exchanges of ``S`` bytes (``S`` copied in and ``S`` out: both ends copy
+  their own message in, then the other's out), each followed by the reduction of ``S`` (``p`` the largest
+  power of two <= n); when ``n`` is not a power of two, a fold (``S`` bytes, reduced) and an unfold (``S``)
+  more, each copied once on the critical path (the receiving end waits idle and streams; ``streamed``
+  ``2 S``).
 
-``predict`` adds ``alpha m + switch m x + beta b + cpu``, where ``cpu`` is
-the critical rank's CPU work ``gamma r + delta k`` (plus the node's cache
-term, on ``r + k`` and the streamed copies, and the per-core one, on
-``r + k``) plus ``wait_share x min(that, wait_busy_s)``, or,
-when the node's ranks outnumber its cores, the node's CPU work shared by
-its cores if that is more (``x = max(0, ranks / cores - 1)``).
+``predict`` adds ``alpha m + switch m x + beta b + cpu``, where ``cpu`` is the critical rank's CPU work
+``gamma r + delta k`` (plus the node's cache term, on ``r + k`` and the streamed copies, and the per-core one,
+on ``r + k``) plus ``wait_share x min(that, wait_busy_s)``, or, when the node's ranks outnumber its cores, the
+node's CPU work shared by its cores if that is more (``x = max(0, ranks / cores - 1)``).
 
-``fit`` estimates the parameters from ``gradcoll bench --json`` rows of
-several algorithms and sizes by least squares (relative residuals, so small
-and large sizes weigh alike; a parameter that comes out negative is dropped
-and the rest refitted; parameters can be held fixed). ``crossovers``
-lists the sizes where the fastest algorithm changes; ``stored_models``
-reads the models fitted to this project's measurements
-(``costmodel_fitted.json``, written by ``benches/fit_costmodel.py``), from
-which ``algorithm="auto"`` takes its thresholds. On the simulated network
-of ``gradcoll.model.sim``, ``gradcoll.algorithms.simulate`` runs the real
-algorithm code against the same model (one core per rank, so without
-``switch``, the shared CPU and ``wait_share``); its virtual times equal
-these closed forms.
+``fit`` estimates the parameters from ``gradcoll bench --json`` rows of several algorithms and sizes by least
+squares (relative residuals, so small and large sizes weigh alike; a parameter that comes out negative is
+dropped and the rest refitted; parameters can be held fixed). ``crossovers`` lists the sizes where the fastest
+algorithm changes; ``stored_models`` reads the models fitted to this project's measurements
+(``costmodel_fitted.json``, written by ``benches/fit_costmodel.py``), from which ``algorithm="auto"`` takes
+its thresholds. On the simulated network of ``gradcoll.model.sim``, ``gradcoll.algorithms.simulate`` runs the
+real algorithm code against the same model (one core per rank, so without ``switch``, the shared CPU and
+``wait_share``); its virtual times equal these closed forms.
 """
 
 from __future__ import annotations
