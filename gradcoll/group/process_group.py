@@ -18,15 +18,14 @@ from ..algorithms import (
     select_allreduce,
     wake_collective,
 )
-from ..algorithms._common import OPS, Workspace, check_op
-from ..algorithms._window_plan import PLAIN
-from ..algorithms.direct import VARIANT_NAMES, hot_allreduce, hot_variant
+from ..algorithms._common import Workspace, check_op
 from ..algorithms.ring import SEGMENT_BYTES
 from ..errors import UsageError
 from ..observe.diagnosis import ControlChannel, Diagnostics
 from ..observe.trace import GroupStats, Recorder
 from ..transport.base import Transport
-from .buffers import HOT_DTYPES, as_buffer, is_device_array, is_half, pinned_staging, tensor_wire, writable_array
+from .buffers import as_buffer, is_device_array, is_half, pinned_staging, tensor_wire, writable_array
+from .fastpath import GENERAL, fast_allreduce, stepped
 from .topology import Topology
 from .work import Executor, Work
 
@@ -62,6 +61,7 @@ class ProcessGroup(Topology):
         self.kernel_backend = kernel_backend
         self._pinned: dict[tuple[int, str], tuple[Any, Any]] = {}
         self._hot = transport.shared_memory and transport.size > 1  # auto is direct: allreduce's fast path
+        self._stepped = not self._hot and stepped(transport)  # tcp's recursive doubling: the other fast path
         self.rank: int = transport.rank
         """This rank's number in the group, 0 .. size - 1."""
         self.size: int = transport.size
@@ -125,16 +125,9 @@ class ProcessGroup(Topology):
         returns the same bits under any algorithm, world layout or arrival
         order (docs/algorithms/deterministic.md).
         """
-        if self._hot and type(buf) is np.ndarray and algorithm == "auto" and not async_op \
-                and buf.dtype in HOT_DTYPES and buf.flags.c_contiguous and buf.flags.writeable:
-            # one host: what "auto" picks, in fewer steps; a bad op raises here, not inside the collective
-            # (which would poison the group)
-            variant = PLAIN if not (wire_dtype or deterministic) else hot_variant(buf.dtype, op, deterministic,
-                                                                                    wire_dtype)
-            if variant is not None:
-                return self._exec.inline(VARIANT_NAMES[variant], hot_allreduce, (
-                    self.transport, buf, op if op in OPS else check_op(op), check_finite,
-                    self.timeout if timeout is None else timeout, self._ws, self.kernel_backend, variant), buf.nbytes)
+        done = fast_allreduce(self, buf, op, algorithm, check_finite, async_op, timeout, wire_dtype, deterministic)
+        if done is not GENERAL:
+            return done
         wire_dtype = tensor_wire(buf, op, wire_dtype)  # torch float16/bfloat16 tensors: accumulated in float32
         if wire_dtype is not None or deterministic or is_half(buf, op):
             return self._precise_allreduce(buf, op, algorithm, check_finite, async_op, timeout, wire_dtype,

@@ -301,3 +301,56 @@ def test_the_fast_path_takes_the_deterministic_and_wire_variants_with_the_genera
     for res in ok(2, fn, timeout=60):
         assert res[:-1] == [True] * 8, res
         assert res[-1] == (24, False, 24)
+
+
+@pytest.mark.timeout(120)
+@pytest.mark.parametrize("n", [2, 4])
+def test_the_tcp_fast_path_gives_what_the_general_path_gives(n: int, monkeypatch) -> None:
+    """A power-of-two group over tcp sends the plain calls ``auto`` gives recursive doubling straight to it
+    (``gradcoll.group.fastpath``): the same bits, seqs, stats and poisoning as the general path."""
+    from gradcoll.group import fastpath
+    from gradcoll.testing import threaded_group
+    from gradcoll.transport import tcp
+
+    taken: list[int] = []
+    real = fastpath._rd
+
+    def spy(seq: int, *a: Any) -> Any:
+        taken.append(seq)
+        return real(seq, *a)
+
+    monkeypatch.setattr(fastpath, "_rd", spy)
+    groups = [ProcessGroup(t) for t in threaded_group(tcp.create, n, timeout=20)]
+
+    def fn(r: int) -> list[Any]:
+        g, out = groups[r], []
+        rng = np.random.default_rng(r)
+        for dt in (np.float32, np.float64):
+            a = rng.standard_normal(1000).astype(dt)
+            b = a.copy()
+            g.allreduce(a)                                        # the fast path
+            g.allreduce(b, algorithm="recursive_doubling")        # the general path, the same algorithm
+            out.append(a.tobytes() == b.tobytes())
+        m = np.full(5, float(r))
+        g.allreduce(m, op="max")                                  # another op: the general path
+        out.append(m.tolist() == [n - 1.0] * 5)
+        w = g.allreduce(np.ones(3, np.float32), async_op=True)    # async: the general path
+        out.append(w.wait(10).tolist() == [1.0] * 3)
+        out.append((g.seq, g.stats().ops["allreduce"].count))
+        bad = np.ones(10, np.float32)
+        if r == n - 1:
+            bad[4] = np.nan
+        with pytest.raises(NonFiniteError, match=f"rank {n - 1}"):
+            g.allreduce(bad)                                      # the fast path: it poisons as the general path
+        out.append(g.poisoned)
+        return out
+
+    try:
+        results, errors = gather_ranks(fn, n, join_timeout=60)
+        assert errors == [None] * n, errors
+        for res in results:
+            assert res == [True, True, True, True, (6, 6), True], res
+        assert sorted(taken) == sorted([0, 2, 6] * n)  # float32, float64 and the NaN call, on every rank
+    finally:
+        for g in groups:
+            g.close()

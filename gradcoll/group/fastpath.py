@@ -1,0 +1,71 @@
+"""``ProcessGroup.allreduce``'s fast paths: the plain calls ``auto`` sends to one algorithm, in fewer steps.
+
+A plain call is a native float32/float64 NumPy array, C-contiguous and
+writeable, ``algorithm="auto"``, not ``async_op``. Two paths take it:
+
+* one host (the transport offers a shared window): the direct allreduce
+  (``gradcoll.algorithms.direct.hot_allreduce``), in every variant it runs;
+* a power-of-two group over a transport with an exchange-and-reduce step
+  (tcp), where ``auto`` picks recursive doubling for the size: the
+  recursive-doubling allreduce, which runs one compiled step per round.
+
+Both run through ``Executor.inline``: the same sequence numbers, stats,
+trace and poisoning as ``Executor.submit``, without the general path's
+per-call work (the buffer's view and write-back, the algorithm's extra
+arguments, the job's closure). Anything else returns ``GENERAL``, and the
+caller takes its general path.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import numpy as np
+
+from ..algorithms._common import OPS, Workspace, check_op
+from ..algorithms._window_plan import PLAIN
+from ..algorithms.direct import VARIANT_NAMES, hot_allreduce, hot_variant
+from ..algorithms.recursive_doubling import recursive_doubling_allreduce
+from ..transport.base import Transport
+from .buffers import HOT_DTYPES
+
+__all__ = ["GENERAL", "fast_allreduce", "stepped"]
+
+#: ``fast_allreduce``'s answer for a call it does not take.
+GENERAL: Any = object()
+
+_RD_NAME = "recursive_doubling allreduce"  # the general path's operation name (``f"{algo} allreduce"``)
+_RD_OPS = ("mean", "sum")
+
+
+def stepped(transport: Transport) -> bool:
+    """Whether ``transport``'s group can take the recursive-doubling fast path (its size a power of two > 1)."""
+    n = transport.size
+    return n > 1 and not n & (n - 1) and hasattr(transport, "exchange_reduce")
+
+
+def fast_allreduce(pg: Any, buf: Any, op: str, algorithm: str, check_finite: bool, async_op: bool,
+                   timeout: float | None, wire_dtype: str | None, deterministic: bool) -> Any:
+    """``pg.allreduce``'s result by a fast path (see the module docstring), or ``GENERAL``."""
+    if type(buf) is not np.ndarray or algorithm != "auto" or async_op or buf.dtype not in HOT_DTYPES \
+            or not buf.flags.c_contiguous or not buf.flags.writeable:
+        return GENERAL
+    limit = pg.timeout if timeout is None else timeout
+    if pg._hot:  # one host: what "auto" picks, in fewer steps; a bad op raises here, not inside the collective
+        variant = PLAIN if not (wire_dtype or deterministic) else hot_variant(buf.dtype, op, deterministic, wire_dtype)
+        if variant is None:
+            return GENERAL
+        return pg._exec.inline(VARIANT_NAMES[variant], hot_allreduce, (
+            pg.transport, buf, op if op in OPS else check_op(op), check_finite, limit, pg._ws, pg.kernel_backend,
+            variant), buf.nbytes)
+    if pg._stepped and op in _RD_OPS and not (wire_dtype or deterministic) \
+            and pg._pick("auto", buf.nbytes) == "recursive_doubling":
+        return pg._exec.inline(_RD_NAME, _rd, (pg.transport, buf, op, check_finite, limit, pg._ws,
+                                              pg.kernel_backend), buf.nbytes)
+    return GENERAL
+
+
+def _rd(seq: int, transport: Transport, buf: np.ndarray, op: str, check_finite: bool, timeout: float,
+        workspace: Workspace, backend: str | None) -> np.ndarray:
+    return recursive_doubling_allreduce(transport, buf, op=op, check_finite=check_finite, seq=seq, timeout=timeout,
+                                        workspace=workspace, backend=backend)
