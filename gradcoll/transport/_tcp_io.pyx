@@ -25,6 +25,7 @@ cimport numpy as cnp
 from libc.errno cimport EAGAIN, EINTR, errno
 from libc.math cimport NAN, frexp, isfinite
 from libc.stdint cimport uint8_t, uint32_t, uint64_t
+from libc.string cimport memcpy
 
 cnp.import_array()
 
@@ -130,6 +131,21 @@ cdef inline void _frame_iov(msghdr* msg, iovec* iov, uint8_t* h, uint8_t* p, Py_
     msg.msg_iov = iov
 
 
+cdef inline int _stopped(ssize_t n, bint send, int* err, int* eof) noexcept nogil:
+    """What a ``sendmsg``/``recvmsg`` that returned ``n`` means: 0 bytes moved, go on; 1 interrupted, retry; 2 stop
+    (the socket would block, an error in ``err``, or the end of the stream in ``eof``)."""
+    if n < 0:
+        if errno == EINTR:
+            return 1
+        if errno != EAGAIN and errno != EWOULDBLOCK:
+            err[0] = errno
+        return 2
+    if n == 0 and not send:
+        eof[0] = 1
+        return 2
+    return 0
+
+
 cdef inline Py_ssize_t _move(int fd, uint8_t* h, uint8_t* p, Py_ssize_t off, Py_ssize_t total, bint send,
                              int* err, int* eof) noexcept nogil:
     """``sendmsg`` (``send``) or ``recvmsg`` from byte ``off`` until the frame is done or the socket would block; a
@@ -138,17 +154,14 @@ cdef inline Py_ssize_t _move(int fd, uint8_t* h, uint8_t* p, Py_ssize_t off, Py_
     cdef iovec iov[2]
     cdef msghdr msg
     cdef ssize_t n
+    cdef int how
     while off < total:
         _frame_iov(&msg, iov, h, p, off, total)
         n = sendmsg(fd, &msg, MSG_DONTWAIT | MSG_NOSIGNAL) if send else recvmsg(fd, &msg, MSG_DONTWAIT)
-        if n < 0:
-            if errno == EINTR:
-                continue
-            if errno != EAGAIN and errno != EWOULDBLOCK:
-                err[0] = errno
-            break
-        if n == 0 and not send:
-            eof[0] = 1
+        how = _stopped(n, send, err, eof)
+        if how == 1:
+            continue
+        if how == 2:
             break
         if not send and off < HDR <= off + n:
             off += n
@@ -278,6 +291,95 @@ cdef inline void _mark(uint8_t* a, int is64) noexcept nogil:
         (<float*>a)[0] = NAN
 
 
+cdef inline int _acc_p(uint8_t* a, const uint8_t* x, Py_ssize_t cnt, int is64, double f, int mode) noexcept nogil:
+    """``a[:cnt] += x[:cnt]`` on raw pointers (divided as ``_finish`` says), with the finite check; 1: finite."""
+    if cnt <= 0:
+        return 1
+    if is64:
+        return gc_acc_d(<double*>a, <const double*>x, cnt, f, mode, 1.0, 0)
+    return gc_acc_f(<float*>a, <const float*>x, cnt, <float>f, mode, 1.0, 0)
+
+
+cdef inline int _acc_ring(uint8_t* a, const uint8_t* ring, Py_ssize_t size, Py_ssize_t lo, Py_ssize_t hi,
+                          Py_ssize_t item, int is64, double f, int mode) noexcept nogil:
+    """``acc[lo:hi] += `` the received elements ``lo:hi``, which sit in ``ring`` at their payload offset mod
+    ``size`` (a multiple of the item, so no element wraps)."""
+    cdef Py_ssize_t s = (lo * item) % size, first = hi - lo
+    if first <= 0:
+        return 1
+    if first > (size - s) // item:
+        first = (size - s) // item
+    return _acc_p(a + lo * item, ring + s, first, is64, f, mode) \
+        & _acc_p(a + (lo + first) * item, ring, hi - lo - first, is64, f, mode)
+
+
+cdef inline void _spill(const uint8_t* ring, Py_ssize_t size, uint8_t* b, Py_ssize_t lo, Py_ssize_t hi) noexcept nogil:
+    """Copy the payload bytes ``lo:hi`` from ``ring`` to where the engine expects them: ``b[lo:hi]``."""
+    cdef Py_ssize_t s, k
+    while lo < hi:
+        s = lo % size
+        k = hi - lo if hi - lo < size - s else size - s
+        memcpy(b + lo, ring + s, k)
+        lo += k
+
+
+cdef inline Py_ssize_t _pull_ring(int fd, uint8_t* h, uint8_t* ring, Py_ssize_t size, Py_ssize_t off,
+                                  Py_ssize_t total, Py_ssize_t upto, int* err, int* eof) noexcept nogil:
+    """``recvmsg`` from byte ``off`` of the frame: the header into ``h``, the payload into ``ring`` at its offset
+    mod ``size``, no further than payload byte ``upto`` (what the ring has room for), until the socket is empty
+    or the header completes (checked before a byte of payload is trusted). The new offset; as ``_move``."""
+    cdef iovec iov[3]
+    cdef msghdr msg
+    cdef ssize_t n
+    cdef int how
+    cdef Py_ssize_t pay, s, k
+    cdef int cnt
+    msg.msg_name = NULL
+    msg.msg_namelen = 0
+    msg.msg_control = NULL
+    msg.msg_controllen = 0
+    msg.msg_flags = 0
+    if upto > total - HDR:
+        upto = total - HDR
+    while off < total:
+        cnt = 0
+        pay = 0
+        if off < HDR:
+            iov[0].iov_base = <void*>(h + off)
+            iov[0].iov_len = HDR - off
+            cnt = 1
+        else:
+            pay = off - HDR
+        if pay < upto:
+            s = pay % size
+            k = upto - pay
+            if s + k > size:
+                iov[cnt].iov_base = <void*>(ring + s)
+                iov[cnt].iov_len = size - s
+                iov[cnt + 1].iov_base = <void*>ring
+                iov[cnt + 1].iov_len = k - (size - s)
+                cnt += 2
+            else:
+                iov[cnt].iov_base = <void*>(ring + s)
+                iov[cnt].iov_len = k
+                cnt += 1
+        if cnt == 0:
+            break  # the ring is full
+        msg.msg_iov = iov
+        msg.msg_iovlen = cnt
+        n = recvmsg(fd, &msg, MSG_DONTWAIT)
+        how = _stopped(n, False, err, eof)
+        if how == 1:
+            continue
+        if how == 2:
+            break
+        if off < HDR <= off + n:
+            off += n
+            break
+        off += n
+    return off
+
+
 #: Elements reduced at a time while the frames move (64 KiB of float32): the received bytes are still in cache,
 #: and the reduction fills the time the sockets make the call wait.
 cdef Py_ssize_t REDUCE_STEP = 16384
@@ -297,7 +399,8 @@ cdef inline Py_ssize_t _first_bad(const uint8_t* a, Py_ssize_t lo, Py_ssize_t hi
 
 
 def exchange(int fd, int wake, cnp.ndarray acc, cnp.ndarray tmp, uint32_t tag, uint64_t sseq, uint64_t rseq,
-             double spin, double timeout, double divisor, bint check_input, bint check, Py_ssize_t ahead):
+             double spin, double timeout, double divisor, bint check_input, bint check, Py_ssize_t ahead,
+             uint8_t[::1] ring):
     """One exchange-and-reduce with the peer on ``fd``: ``acc`` out (frame ``sseq``), ``tmp`` in (frame ``rseq``),
     and ``acc += tmp`` (divided by ``divisor``) with the finite check when ``check``.
 
@@ -310,6 +413,10 @@ def exchange(int fd, int wake, cnp.ndarray acc, cnp.ndarray tmp, uint32_t tag, u
     and stops when ``wake`` is readable (another thread queued work).
 
     The send runs at most ``ahead`` payload bytes ahead of the receive. The
+    peer's payload arrives in ``ring`` (a multiple of 8 bytes, at least 4096),
+    at its offset modulo the ring's size, so that it stays in cache however
+    large the frame; ``tmp`` is only written when the call stops early (the
+    bytes not yet reduced, at their offsets, for the engine). The
     reduction runs as the frames move: the elements both sent and
     received are reduced ``REDUCE_STEP`` at a time (an element of ``acc`` is
     only changed once its bytes are on the wire).
@@ -342,8 +449,10 @@ def exchange(int fd, int wake, cnp.ndarray acc, cnp.ndarray tmp, uint32_t tag, u
     cdef int serr = 0, rerr = 0, eof = 0, bad = 0, moved, ready, ms, outcome = X_STOPPED, mode, fin = 1
     cdef pollfd pfd[2]
     cdef double now, spin_end, end, f, bad_v = 0.0
-    if ahead < 4096:
-        raise ValueError("exchange runs the send at least 4096 bytes ahead of the receive")
+    cdef Py_ssize_t rsize = ring.shape[0], floor_b, pay
+    if ahead < 4096 or rsize < 4096 or rsize % 8:
+        raise ValueError("exchange runs the send at least 4096 bytes ahead and a ring of 8k >= 4096 bytes")
+    cdef uint8_t* rg = &ring[0]
     if check_input and m:
         chk = ahead // item if m > ahead // item else m
         if not _finite(a, 0, chk, is64):
@@ -375,7 +484,7 @@ def exchange(int fd, int wake, cnp.ndarray acc, cnp.ndarray tmp, uint32_t tag, u
                 break
             while roff < total:  # everything already here, the header checked once it is complete
                 before = roff
-                roff = _move(fd, rh, b, roff, total, False, &rerr, &eof)
+                roff = _pull_ring(fd, rh, rg, rsize, roff, total, red * item + rsize, &rerr, &eof)
                 moved = moved or roff > before
                 if not (before < HDR <= roff):
                     break  # in whole, or nothing more to read now, or an error, or the end of the stream
@@ -385,21 +494,25 @@ def exchange(int fd, int wake, cnp.ndarray acc, cnp.ndarray tmp, uint32_t tag, u
             if rerr or eof or bad:
                 break
             if soff == total and roff == total:
-                fin = _acc(a, b, red, m, is64, f, mode) & fin
+                fin = _acc_ring(a, rg, rsize, red, m, item, is64, f, mode) & fin
                 red = m
                 outcome = X_DONE if fin or not check else X_NONFINITE
                 if outcome == X_NONFINITE:
                     _mark(a, is64)
                 break
             ready_elems = ((soff if soff < roff else roff) - HDR) // item
-            if ready_elems - red >= REDUCE_STEP:  # sent and received: reduce it while the sockets work
-                fin = _acc(a, b, red, ready_elems, is64, f, mode) & fin
+            pay = roff - HDR if roff > HDR else 0
+            floor_b = red * item
+            if ready_elems > red and (ready_elems - red >= REDUCE_STEP or pay - floor_b >= rsize):
+                # sent and received: reduce it while the sockets work (now, when the ring is full)
+                fin = _acc_ring(a, rg, rsize, red, ready_elems, item, is64, f, mode) & fin
                 red = ready_elems
                 continue
             if moved:
                 continue
             pfd[0].fd = fd
-            pfd[0].events = (POLLIN_ if roff < total else 0) | (POLLOUT_ if soff < lim else 0)
+            pfd[0].events = (POLLIN_ if roff < total and (roff < HDR or pay - floor_b < rsize) else 0) \
+                | (POLLOUT_ if soff < lim else 0)
             pfd[0].revents = 0
             pfd[1].fd = wake
             pfd[1].events = POLLIN_
@@ -416,6 +529,8 @@ def exchange(int fd, int wake, cnp.ndarray acc, cnp.ndarray tmp, uint32_t tag, u
                 ready = poll(pfd, 2, ms)
             if ready > 0 and pfd[1].revents:
                 break  # another thread queued work: the engine drives from here
+    if outcome == X_STOPPED and roff > HDR:
+        _spill(rg, rsize, b, red * item, roff - HDR)  # what the engine carries on from: tmp holds it
     return (outcome, soff, roff, serr, rerr, bool(eof),
             (<bytes>(<char*>rh)[:min(roff, HDR)]) if outcome == X_STOPPED and roff else None, red, bool(fin),
             None if bad_i < 0 else (bad_i, bad_v))

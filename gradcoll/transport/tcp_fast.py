@@ -19,7 +19,8 @@ the caller runs its general path.
 It takes large buffers too. The send runs at most ``PIECE_BYTES`` bytes
 ahead of the receive, so each piece of the input is checked just before the
 socket copies it and is still in cache when the peer's piece is added to
-it: at 2 ranks a whole 1-64 MiB allreduce is one such call, and measured
+it, and the peer's bytes arrive in a ring of ``RING_BYTES`` that every step
+of the transport reuses (``tmp`` is written only when a step stops early): at 2 ranks a whole 1-64 MiB allreduce is one such call, and measured
 faster than the ring (whose reduction runs in Python-driven segments).
 
 While the call runs, this thread is the transport's driver and the link is
@@ -63,6 +64,8 @@ SMALL_BYTES = 1 << 40
 #: before the socket takes it and is still in cache when the peer's piece is added to it (measured best of
 #: 64 KiB-4 MiB on 2 ranks for 1-16 MiB buffers; the cost model's ``piece_bytes`` for tcp).
 PIECE_BYTES = 256 << 10
+#: The ring the peer's payload arrives in, reused by every step: it stays in cache however large the frame.
+RING_BYTES = 2 * PIECE_BYTES
 
 #: ``exchange_reduce``'s outcomes.
 DECLINED = -1  # nothing moved: the caller runs its general path
@@ -105,7 +108,7 @@ def exchange_reduce(t: Any, io: ModuleType, peer: int, acc: np.ndarray, tmp: np.
     try:
         out, sent, got, serr, rerr, eof, hdr, red, fin, bad = io.exchange(
             link.fd, t._wake_fd, acc, tmp, tag, sseq, rseq, t._spin, -1.0 if limit is None else limit, divisor,
-            check_input, check, PIECE_BYTES)
+            check_input, check, PIECE_BYTES, _ring(t))
     except BaseException:  # refused its arrays: nothing moved
         _release(t, link, sseq, rseq)
         raise
@@ -120,6 +123,14 @@ def exchange_reduce(t: Any, io: ModuleType, peer: int, acc: np.ndarray, tmp: np.
     ops = _adopt(t, link, acc, tmp, tag, sseq, rseq, sent, got, serr, rerr, eof, hdr)
     t._wait(ops, None if limit is None else max(0.0, limit - (time.monotonic() - started)))
     return REDUCED if io.reduce_rest(acc, tmp, red, divisor, fin, check) == io.DONE else NONFINITE
+
+
+def _ring(t: Any) -> np.ndarray:
+    """The transport's receive ring for the step (``RING_BYTES``; one step runs at a time per transport)."""
+    ring: np.ndarray | None = t.__dict__.get("_step_ring")
+    if ring is None:
+        ring = t._step_ring = np.empty(RING_BYTES, np.uint8)
+    return ring
 
 
 def _release(t: Any, link: Any, send_seq: int | None, recv_seq: int) -> None:

@@ -11,6 +11,7 @@ from __future__ import annotations
 import socket
 import struct
 import threading
+import time
 from typing import Any
 
 import numpy as np
@@ -180,23 +181,33 @@ def test_a_non_finite_input_past_the_first_piece_names_its_rank_and_element(worl
     assert DECLINED not in outcomes and NONFINITE in outcomes
 
 
-def test_a_step_stopped_after_reducing_part_of_the_frame_reduces_only_the_rest(monkeypatch) -> None:
+def _pair(mine_sndbuf: int, peer_sndbuf: int) -> tuple[Any, socket.socket]:
+    """Rank 0's transport over a socket pair with these send buffers, and the raw peer socket."""
     mine, peer = socket.socketpair()
-    for s in (mine, peer):
-        s.setsockopt(socket.SOL_SOCKET, socket.SO_SNDBUF, 4 << 20)
-        s.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 4 << 20)
-    t = tcp.TcpTransport(0, 2, {1: mine}, timeout=10)
-    peer.settimeout(10)
+    mine.setsockopt(socket.SOL_SOCKET, socket.SO_SNDBUF, mine_sndbuf)
+    peer.setsockopt(socket.SOL_SOCKET, socket.SO_SNDBUF, peer_sndbuf)
+    peer.settimeout(20)
+    return tcp.TcpTransport(0, 2, {1: mine}, timeout=20), peer
+
+
+def _spy_rest(monkeypatch) -> list[int]:
+    """Where every ``reduce_rest`` of the test starts (its ``done``)."""
     rest: list[int] = []
     real = tcp._IO.reduce_rest
 
     def spy(acc: np.ndarray, tmp: np.ndarray, done: int, *a: Any) -> int:
         rest.append(done)
-        return real(acc, tmp, done, *a)
+        return int(real(acc, tmp, done, *a))
 
     monkeypatch.setattr(tcp._IO, "reduce_rest", spy)
+    return rest
+
+
+@pytest.mark.parametrize("m,first", [(40000, 30000), (300000, 250000)])  # the second wraps the receive ring
+def test_a_step_stopped_after_reducing_part_of_the_frame_reduces_only_the_rest(monkeypatch, m, first) -> None:
+    t, peer = _pair(4 << 20, 4 << 20)
+    rest = _spy_rest(monkeypatch)
     try:
-        m, first = 40000, 30000
         theirs = _frame(0, np.full(m, 2.0, np.float32))
         peer.sendall(theirs[: 24 + 4 * first])  # there before the step starts: reduced in its first pass
         acc = np.ones(m, np.float32)
@@ -210,7 +221,10 @@ def test_a_step_stopped_after_reducing_part_of_the_frame_reduces_only_the_rest(m
         peer.sendall(theirs[24 + 4 * first :])
         th.join(10)
         assert result == [REDUCED] and (acc == 3.0).all()  # the first part reduced once, the rest after
-        assert rest == [first]
+        if m * 4 <= tcp_fast.RING_BYTES:
+            assert rest == [first]  # all there before the step started: reduced in one piece
+        else:  # what the ring held unreduced went to tmp at its offsets (spilled across the ring's end)
+            assert len(rest) == 1 and tcp_fast.RING_BYTES // 4 < rest[0] <= first
     finally:
         t.close()
         peer.close()
@@ -417,3 +431,43 @@ def test_close_from_another_thread_ends_the_step(raw) -> None:
     th.join(10)
     assert not th.is_alive() and len(errors) == 1 and isinstance(errors[0], TransportClosed), errors
 
+
+
+def test_a_step_stopped_with_received_bytes_it_could_not_reduce_hands_them_over(monkeypatch) -> None:
+    """The peer's bytes arrive faster than this rank's own go out (its socket takes little): the ring holds
+    received elements that may not be reduced yet (their own bytes are not on the wire), across the ring's end.
+    A wake-up stops the step: those bytes go to ``tmp`` at their offsets, and the engine and ``reduce_rest``
+    finish with the exact result."""
+    import fcntl
+    import termios
+
+    t, peer = _pair(16 << 10, 4 << 20)
+    rest = _spy_rest(monkeypatch)
+    try:
+        m, first = 200000, 150000  # 600 KB of the peer's frame before the step starts: more than the ring
+        theirs = _frame(0, np.full(m, 2.0, np.float32))
+        peer.sendall(theirs[: 24 + 4 * first])
+        acc = np.ones(m, np.float32)
+        result: list[Any] = []
+        th = threading.Thread(target=lambda: result.append(_step(t, acc)))
+        th.start()
+        deadline = time.monotonic() + 10
+        queued = np.zeros(1, np.int32)
+        while True:  # until the step has read what its ring takes (a bounded wait on the socket's state)
+            fcntl.ioctl(peer.fileno(), termios.TIOCOUTQ, queued)
+            if 24 + 4 * first - int(queued[0]) > tcp_fast.RING_BYTES or time.monotonic() > deadline:
+                break
+        req = t.isend(1, b"user", tag=9)  # wakes the step, which can move nothing more until the peer does
+        got: list[bytes] = []
+        reader = threading.Thread(target=lambda: got.append(_read(peer, 24 + 4 * m + fr.HEADER_SIZE + 4)))
+        reader.start()
+        peer.sendall(theirs[24 + 4 * first :])
+        assert req.wait(10) == 4
+        th.join(20)
+        reader.join(20)
+        assert result == [REDUCED] and (acc == 3.0).all()
+        assert got == [_frame(0, np.ones(m, np.float32)) + fr.pack_header(1, 9, 4) + b"user"]
+        assert len(rest) == 1 and rest[0] < first  # it stopped with received bytes not reduced
+    finally:
+        t.close()
+        peer.close()
