@@ -32,10 +32,11 @@ import numpy as np
 
 from ..errors import NonFiniteError, UsageError
 from . import reference
+from ._compiled import extension
 from ._lowp import WIRE_DTYPES, accumulate_wire, decode_wire, encode_wire, reference_wire
 from ._validate import acc_dtype, check_out, host_contig, host_rows, is_device
 from .protocol import ExactKernels, ReduceKernels
-from .select import available_backends, fast_path, load_backend, reduce_elems, resolve
+from .select import _FAST_CACHE, available_backends, fast_path, load_backend, reduce_elems, resolve
 
 __all__ = [
     "mean_reduce",
@@ -84,6 +85,12 @@ def mean_reduce(
             if res is not None and res is not False:
                 return res
             # None: not a plain call; False: non-finite. Either way the full path decides and explains.
+    return _reduce_rest(inputs, out, op, check_finite, backend, accumulate_dtype)
+
+
+def _reduce_rest(inputs: Any, out: np.ndarray | None, op: str, check_finite: bool, backend: Backend,
+                 accumulate_dtype: Any) -> Any:
+    """``mean_reduce`` after its fast entry (declined, or found a non-finite value): ``op`` is checked."""
     if is_device(inputs) or (isinstance(inputs, Sequence) and len(inputs) and is_device(inputs[0])):
         be = resolve("reduce", device=True, backend=backend)
         return be.mean_reduce_device(inputs, out, op=op, check_finite=check_finite, accumulate_dtype=accumulate_dtype)
@@ -190,3 +197,25 @@ def warmup(backends: Sequence[str] | None = None) -> list[str]:
     for name in names:
         load_backend(name).warmup()
     return names
+
+
+def _compiled_facade() -> None:
+    """Where the extension is built, ``mean_reduce`` is its compiled twin (``_cython_kernels.mean_reduce``).
+
+    The common call (default backend and policy, plain arrays) then runs the fast entry with no Python frame
+    in between: about 0.35 us less per call, a third of a 1,000-element reduce. The twin reads the policy's
+    own cache of fast entries and hands every other call to the Python function above, so both take the
+    same arguments and give the same results and errors; ``mean_reduce.__wrapped__`` is the Python one.
+    """
+    ext = extension()
+    bind = getattr(ext, "bind_mean_reduce", None)
+    if bind is None:
+        return
+    python = mean_reduce
+    bind(_FAST_CACHE["reduce"], python, _reduce_rest)
+    twin = ext.mean_reduce  # type: ignore[union-attr]
+    twin.__doc__, twin.__wrapped__ = python.__doc__, python
+    globals()["mean_reduce"] = twin
+
+
+_compiled_facade()

@@ -12,7 +12,11 @@ overflow. The caller locates the culprit on the error path only.
 cimport numpy as cnp
 from libc.math cimport frexp
 from libc.stdint cimport uint16_t, uint32_t
+from cpython.list cimport PyList_GET_ITEM
+from cpython.object cimport PyObject
+from cpython.tuple cimport PyTuple_GET_ITEM
 from libc.stdlib cimport free, getenv, malloc
+from libc.string cimport memcmp
 
 cnp.import_array()
 
@@ -243,8 +247,16 @@ def reduce_fast(object inputs, object out, bint mean, bint check, Py_ssize_t lim
     False when the finite check failed (``out`` filled), or None when the fast
     path does not apply (the caller then validates and explains).
     """
+    return _reduce_fast(inputs, out, mean, check, limit)
+
+
+cdef object _reduce_fast(object inputs, object out, bint mean, bint check, Py_ssize_t limit):
     cdef Py_ssize_t n, m, j
-    cdef cnp.ndarray first, r, o
+    cdef cnp.ndarray first, o
+    cdef PyObject* item
+    cdef cnp.ndarray r
+    cdef cnp.npy_intp* dims
+    cdef int nd
     cdef void* stack[STACK_PTRS]
     cdef int typenum
     cdef bint ok, big
@@ -265,11 +277,16 @@ def reduce_fast(object inputs, object out, bint mean, bint check, Py_ssize_t lim
         return None
     if not cnp.PyArray_ISCARRAY_RO(first):
         return None
-    for j in range(n):
-        if not _plain_float_array(inputs[j], typenum, m):
+    nd = cnp.PyArray_NDIM(first)
+    dims = cnp.PyArray_DIMS(first)
+    for j in range(n):  # borrowed items, and the shape compared without a size product per input
+        item = PyList_GET_ITEM(inputs, j) if type(inputs) is list else PyTuple_GET_ITEM(inputs, j)
+        if not cnp.PyArray_CheckExact(<object>item):
             return None
-        r = <cnp.ndarray>inputs[j]
-        if not _same_shape(r, first) or (big and not cnp.PyArray_ISWRITEABLE(r)):  # one array type for Numba
+        r = <cnp.ndarray><object>item
+        if (cnp.PyArray_TYPE(r) != typenum or not cnp.PyArray_ISCARRAY_RO(r) or cnp.PyArray_NDIM(r) != nd
+                or memcmp(cnp.PyArray_DIMS(r), dims, nd * sizeof(cnp.npy_intp)) != 0
+                or (big and not cnp.PyArray_ISWRITEABLE(r))):  # one array type for Numba
             return None
         stack[j] = cnp.PyArray_DATA(r)
     if out is None:
@@ -285,6 +302,44 @@ def reduce_fast(object inputs, object out, bint mean, bint check, Py_ssize_t lim
     else:
         ok = _run_reduce(stack, n, m, o, typenum == cnp.NPY_DOUBLE, <double>n if mean else 1.0, check)
     return o if ok else False
+
+
+# -- the compiled twin of gradcoll.kernels.mean_reduce -----------------------------------------------------
+
+cdef dict _facade_cache = None  # select's fast entries of "reduce", by request (select._FAST_CACHE["reduce"])
+cdef object _facade_python = None  # the Python facade: every call this one does not take
+cdef object _facade_rest = None  # its path after the fast entry: validation, the policy, the error's message
+
+
+def bind_mean_reduce(dict cache, object python, object rest):
+    """Give ``mean_reduce`` the policy's cache of reduce entries, the Python facade and that facade's rest."""
+    global _facade_cache, _facade_python, _facade_rest
+    _facade_cache, _facade_python, _facade_rest = cache, python, rest
+
+
+def mean_reduce(inputs, out=None, *, op="mean", check_finite=True, backend=None, accumulate_dtype=None):
+    """``gradcoll.kernels.mean_reduce`` without a Python frame for the common call.
+
+    A call with the default backend, no ``GRADCOLL_KERNELS``, no ``accumulate_dtype`` and ``op`` "mean" or
+    "sum" runs the fast entry the policy chose for it (``select.fast_path``, read from the same cache), and
+    the Python facade's rest where that entry declines or finds a non-finite value. Every other call is the
+    Python facade's. Same arguments, results and errors.
+    """
+    cdef const char* env
+    cdef object entry, res
+    cdef bint mean
+    if backend is None and accumulate_dtype is None and _facade_cache is not None and type(op) is str:
+        env = getenv(b"GRADCOLL_KERNELS")
+        if env == NULL or env[0] == 0:
+            entry = _facade_cache.get(None)
+            if entry is not None and (op == "mean" or op == "sum"):
+                mean = op == "mean"
+                res = _reduce_fast(inputs, out, mean, check_finite, <Py_ssize_t>(<tuple>entry)[1])
+                if res is not None and res is not False:
+                    return res
+                return _facade_rest(inputs, out, op, check_finite, backend, accumulate_dtype)
+    return _facade_python(inputs, out, op=op, check_finite=check_finite, backend=backend,
+                          accumulate_dtype=accumulate_dtype)
 
 
 def accumulate_fast(object acc, object x, object scale, object divisor, bint check, Py_ssize_t limit):

@@ -161,6 +161,50 @@ def test_fast_path_follows_the_table(monkeypatch: pytest.MonkeyPatch) -> None:
     assert fast_path("reduce", object()) is None  # an injected backend gets every call
 
 
+def test_the_compiled_mean_reduce_gives_the_python_facades_results_and_errors(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Where the extension is built, ``mean_reduce`` is its compiled twin: same bits, same errors, and every call
+    it does not take itself (a named backend, GRADCOLL_KERNELS, accumulate_dtype) goes to the Python facade."""
+    if "cython" not in AVAILABLE:
+        pytest.skip("the compiled extension is not built (a C compiler at install time builds it)")
+    twin, python, rest = K.mean_reduce, K.mean_reduce.__wrapped__, K._reduce_rest  # type: ignore[attr-defined]
+    assert twin is not python and "cython" in type(twin).__name__
+    rng = np.random.default_rng(5)
+    xs = [rng.standard_normal(1000).astype(np.float32) for _ in range(3)]
+    seen: list[str] = []
+    ext = select.extension()
+    ext.bind_mean_reduce(select._FAST_CACHE["reduce"], lambda *a, **k: seen.append("python") or python(*a, **k),
+                         lambda *a: seen.append("rest") or rest(*a))
+    try:
+        monkeypatch.delenv("GRADCOLL_KERNELS", raising=False)
+        assert fast_path("reduce") is not None  # the policy's entry for the default request, now in its cache
+        out = np.empty(1000, np.float32)
+        for args, kw, path in [((xs,), {}, []), ((xs,), {"op": "sum"}, []), ((tuple(xs),), {"out": out}, []),
+                               (([x.astype(np.float64) for x in xs],), {"check_finite": False}, []),
+                               ((np.stack(xs),), {}, ["rest"]), ((xs,), {"accumulate_dtype": np.float64}, ["python"]),
+                               ((xs,), {"backend": "numpy"}, ["python"]), ((xs,), {"op": 1}, ["python"])]:
+            seen.clear()
+            if kw.get("op") == 1:
+                with pytest.raises(gradcoll.UsageError, match="op must be"):
+                    twin(*args, **kw)
+            else:
+                got = twin(*args, **kw)
+                assert got.tobytes() == python(*args, **kw).tobytes() and (got is out) == ("out" in kw), kw
+            assert seen == path, kw
+        bad = [x.copy() for x in xs]
+        bad[2][17] = np.inf
+        seen.clear()
+        with pytest.raises(gradcoll.NonFiniteError) as a:
+            twin(bad)
+        with pytest.raises(gradcoll.NonFiniteError) as b:
+            python(bad)
+        assert str(a.value) == str(b.value) and "17" in str(a.value) and seen == ["rest"]
+        monkeypatch.setenv("GRADCOLL_KERNELS", "numpy")  # the override is the Python facade's to apply
+        seen.clear()
+        assert twin(xs).tobytes() == python(xs, backend="numpy").tobytes() and seen == ["python"]
+    finally:
+        ext.bind_mean_reduce(select._FAST_CACHE["reduce"], python, rest)
+
+
 class Recorder:
     """A backend object: computes with the NumPy reference and records every call."""
 
