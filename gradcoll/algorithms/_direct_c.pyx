@@ -411,8 +411,9 @@ cdef extern from *:
         float dm = pow2 ? 1.0f / div : div;
         int last = pow2 ? GC_MUL : GC_DIV;
     #ifdef GCD_EXACT_AVX2
-        if (!fp16 && gc_simd() >= 2) {  /* in registers, 16 lanes a time; the block form for the tail */
-            int64_t done = gc_wire_reduce_bf16_512(xs, n, m, enc, dec, div, dodiv, mine, me, &flag);
+        if (!fp16 && gc_simd() >= 1) {  /* in registers, 16 or 8 lanes a time; the block form for the tail */
+            int64_t done = gc_simd() >= 2 ? gc_wire_reduce_bf16_512(xs, n, m, enc, dec, div, dodiv, mine, me, &flag)
+                                          : gc_wire_reduce_bf16_256(xs, n, m, enc, dec, div, dodiv, mine, me, &flag);
             if (done == m) return flag != 0;
             for (int r = 0; r < n; r++) t[r] = xs[r] + done;
             m -= done;

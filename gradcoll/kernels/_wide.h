@@ -1,4 +1,5 @@
-/* The AVX-512 loops of the bf16 wire kernels (_fused.h includes this after its AVX2 loops).
+/* The AVX-512 loops of the bf16 wire kernels, and the AVX2 wire reduction (_fused.h includes this after its
+ * AVX2 loops).
  *
  * The same integer operations as the AVX2 loops, on 16 lanes in place of 8, so the same bits: the encode
  * rounds to nearest even by adding 0x7fff plus the lowest kept bit and keeps the largest input magnitude
@@ -135,6 +136,54 @@ __attribute__((target("avx512f,avx512bw"), unused)) static gc_ssize gc_wire_redu
     }
 #undef GC_INPUT16
     if (_mm512_test_epi32_mask(fv, _mm512_set1_epi32(0x8000)))
+        *flag |= 0x8000u;
+    return i;
+}
+
+/* The same wire reduction with AVX2, 8 lanes a time: the rounding is gc_encode_bf16_sel_hw's (a signed
+ * comparison for the NaN test, one blend), and the 8 results pack to 16 bits in order with one saturating
+ * pack of the two 128-bit halves. Same bits as the 512-bit loop and the block form. */
+#define GC_BF16_ROUND_256(v)                                                                                   \
+    _mm256_blendv_epi8(                                                                                        \
+        _mm256_srli_epi32(_mm256_add_epi32(_mm256_add_epi32(v, half), _mm256_and_si256(_mm256_srli_epi32(v, 16), one)), \
+                          16),                                                                                 \
+        _mm256_or_si256(_mm256_srli_epi32(v, 16), quiet), _mm256_cmpgt_epi32(_mm256_and_si256(v, abs), inf))
+
+__attribute__((target("avx2"), unused)) static gc_ssize gc_wire_reduce_bf16_256(
+        const uint16_t *const *xs, int n, gc_ssize m, uint16_t *enc, float *dec, float div, int dodiv,
+        const float *mine, int me, uint32_t *flag) {
+    gc_ssize i = 0;
+    const __m256i abs = _mm256_set1_epi32(0x7fffffff), inf = _mm256_set1_epi32(0x7f800000);
+    const __m256i one = _mm256_set1_epi32(1), half = _mm256_set1_epi32(0x7fff), quiet = _mm256_set1_epi32(0x40);
+    const __m256i e = _mm256_set1_epi32(0x7f80), ulp = _mm256_set1_epi32(0x80);
+    uint32_t db;
+    memcpy(&db, &div, 4);
+    const int mul = (db & 0x807fffffu) == 0 && (db >> 23) > 0 && (db >> 23) < 253;  /* as the 512-bit loop */
+    const __m256 vd = _mm256_set1_ps(mul ? 1.0f / div : div);
+    __m256i fv = _mm256_setzero_si256();
+    int r, own = mine != NULL ? me : -1;
+#define GC_INPUT8(r)                                                                                           \
+    ((r) == own ? _mm256_castsi256_ps(_mm256_slli_epi32(                                                       \
+                      GC_BF16_ROUND_256(_mm256_loadu_si256((const __m256i *)(mine + i))), 16))                  \
+                : _mm256_castsi256_ps(_mm256_slli_epi32(                                                       \
+                      _mm256_cvtepu16_epi32(_mm_loadu_si128((const __m128i *)(xs[r] + i))), 16)))
+    for (; i + 8 <= m; i += 8) {
+        __m256 s = GC_INPUT8(0);
+        for (r = 1; r < n; r++)
+            s = _mm256_add_ps(s, GC_INPUT8(r));
+        if (dodiv)
+            s = mul ? _mm256_mul_ps(s, vd) : _mm256_div_ps(s, vd);
+        __m256i v = _mm256_castps_si256(s);
+        __m256i q = GC_BF16_ROUND_256(v);
+        fv = _mm256_or_si256(fv, _mm256_add_epi32(_mm256_and_si256(q, e), ulp));
+        if (enc != NULL)
+            _mm_storeu_si128((__m128i *)(enc + i),
+                             _mm_packus_epi32(_mm256_castsi256_si128(q), _mm256_extracti128_si256(q, 1)));
+        if (dec != NULL)
+            _mm256_storeu_ps(dec + i, _mm256_castsi256_ps(_mm256_slli_epi32(q, 16)));
+    }
+#undef GC_INPUT8
+    if (_mm256_movemask_epi8(_mm256_and_si256(fv, _mm256_set1_epi32(0x8000))))
         *flag |= 0x8000u;
     return i;
 }
