@@ -61,9 +61,12 @@ __all__ = ["exchange_reduce", "header_in", "read_stash", "SMALL_BYTES", "PIECE_B
 SMALL_BYTES = 1 << 40
 
 #: How far (bytes of payload) the send may run ahead of the receive: each piece of the input is checked just
-#: before the socket takes it and is still in cache when the peer's piece is added to it (measured best of
-#: 64 KiB-4 MiB on 2 ranks for 1-16 MiB buffers; the cost model's ``piece_bytes`` for tcp).
-PIECE_BYTES = 256 << 10
+#: before the socket takes it, and is in cache when the peer's piece is added to it if it fits. Every piece
+#: ends in a wait of both ranks for each other, and on a virtual machine such a wait can stall for
+#: milliseconds with both ranks idle: 1 MiB was the best of 256 KiB-4 MiB on 2 ranks for 1-16 MiB buffers on
+#: the AMD EPYC machine of docs/performance.md (256 KiB had been on the Intel Xeon, where the stalls came only
+#: at 16 MiB). A refit records it as the cost model's ``piece_bytes`` for tcp.
+PIECE_BYTES = 1 << 20
 #: The ring the peer's payload arrives in, reused by every step: it stays in cache however large the frame.
 RING_BYTES = 2 * PIECE_BYTES
 

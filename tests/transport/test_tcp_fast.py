@@ -205,6 +205,8 @@ def _spy_rest(monkeypatch) -> list[int]:
 
 @pytest.mark.parametrize("m,first", [(40000, 30000), (300000, 250000)])  # the second wraps the receive ring
 def test_a_step_stopped_after_reducing_part_of_the_frame_reduces_only_the_rest(monkeypatch, m, first) -> None:
+    monkeypatch.setattr(tcp_fast, "PIECE_BYTES", 256 << 10)  # a 512 KiB ring, which the second case wraps
+    monkeypatch.setattr(tcp_fast, "RING_BYTES", 512 << 10)
     t, peer = _pair(4 << 20, 4 << 20)
     rest = _spy_rest(monkeypatch)
     try:
@@ -441,6 +443,8 @@ def test_a_step_stopped_with_received_bytes_it_could_not_reduce_hands_them_over(
     import fcntl
     import termios
 
+    monkeypatch.setattr(tcp_fast, "PIECE_BYTES", 256 << 10)  # the geometry below: a 512 KiB ring, 600 KB sent first
+    monkeypatch.setattr(tcp_fast, "RING_BYTES", 512 << 10)
     t, peer = _pair(16 << 10, 4 << 20)
     rest = _spy_rest(monkeypatch)
     try:
