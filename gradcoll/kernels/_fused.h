@@ -357,6 +357,28 @@ __attribute__((target("avx2,f16c"))) static gc_ssize gc_acc_fp16_hw(float *acc, 
     return i;
 }
 
+/* acc = finish(acc + widen(w)) (acc = widen(w) when decode_only), 8 lanes a time: gc_acc_bf16_512's steps with
+ * AVX2. ORs the finite check's top bit into flag and returns how many it did (a multiple of 8). */
+__attribute__((target("avx2"))) static gc_ssize gc_acc_bf16_hw(float *acc, const uint16_t *w, gc_ssize m, float d,
+                                                                int mode, int decode_only, uint32_t *flag) {
+    gc_ssize i = 0;
+    __m256i fv = _mm256_setzero_si256();
+    const __m256i e = _mm256_set1_epi32((int)GC_EXP32), ulp = _mm256_set1_epi32((int)GC_ULP32);
+    const __m256 vd = _mm256_set1_ps(d);
+    for (; i + 8 <= m; i += 8) {
+        __m256 x = _mm256_castsi256_ps(_mm256_slli_epi32(
+            _mm256_cvtepu16_epi32(_mm_loadu_si128((const __m128i *)(w + i))), 16));
+        __m256 s = decode_only ? x : _mm256_add_ps(_mm256_loadu_ps(acc + i), x);
+        if (mode == GC_MUL) s = _mm256_mul_ps(s, vd);
+        else if (mode == GC_DIV) s = _mm256_div_ps(s, vd);
+        _mm256_storeu_ps(acc + i, s);
+        fv = _mm256_or_si256(fv, _mm256_add_epi32(_mm256_and_si256(_mm256_castps_si256(s), e), ulp));
+    }
+    if ((unsigned)_mm256_movemask_ps(_mm256_castsi256_ps(fv)))  /* the sign bit of a lane: an Inf/NaN */
+        *flag |= GC_TOP32;
+    return i;
+}
+
 /* gc_bf16 on 16 lanes at a time, with the NaN select: a signed comparison for the NaN test (|u| fits in 31
  * bits) and one saturating pack (every value fits in 16 bits) in place of the compiler's narrowing shuffles. */
 __attribute__((target("avx2"))) static void gc_encode_bf16_sel_hw(const uint32_t *u, uint16_t *w, gc_ssize m) {
@@ -449,6 +471,8 @@ GC_CLONES static int gc_acc_bf16(float *restrict acc, const uint16_t *restrict w
 #if defined(GC_F16C)
     if (gc_simd() >= 2)
         i = gc_acc_bf16_512(acc, w, m, d, mode, decode_only, &flag);
+    if (gc_simd() >= 1)
+        i += gc_acc_bf16_hw(acc + i, w + i, m - i, d, mode, decode_only, &flag);
 #endif
     for (; i < m; i++) {
         b = (uint32_t)w[i] << 16;
