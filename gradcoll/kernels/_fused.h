@@ -339,44 +339,35 @@ __attribute__((target("avx2,f16c"))) static gc_ssize gc_encode_fp16_hw(const uin
     return i;
 }
 
+/* The 8-lane accumulate of the wire kernels: acc = finish(acc + x) (acc = x when DECODE_ONLY) with x = WIDEN (the
+ * 8 values at w + i as float32); ORs the finite check's top bit into flag and returns how many it did. */
+#define GC_ACC_HW_LOOP(WIDEN, DECODE_ONLY)                                                                     \
+    gc_ssize i = 0;                                                                                            \
+    __m256i fv = _mm256_setzero_si256();                                                                       \
+    const __m256i e = _mm256_set1_epi32((int)GC_EXP32), ulp = _mm256_set1_epi32((int)GC_ULP32);               \
+    const __m256 vd = _mm256_set1_ps(d);                                                                       \
+    for (; i + 8 <= m; i += 8) {                                                                               \
+        __m256 x = (WIDEN);                                                                                    \
+        __m256 s = (DECODE_ONLY) ? x : _mm256_add_ps(_mm256_loadu_ps(acc + i), x);                            \
+        if (mode == GC_MUL) s = _mm256_mul_ps(s, vd);                                                          \
+        else if (mode == GC_DIV) s = _mm256_div_ps(s, vd);                                                     \
+        _mm256_storeu_ps(acc + i, s);                                                                          \
+        fv = _mm256_or_si256(fv, _mm256_add_epi32(_mm256_and_si256(_mm256_castps_si256(s), e), ulp));         \
+    }                                                                                                          \
+    if ((unsigned)_mm256_movemask_ps(_mm256_castsi256_ps(fv)))  /* the sign bit of a lane: an Inf/NaN */      \
+        *flag |= GC_TOP32;                                                                                     \
+    return i;
+
 __attribute__((target("avx2,f16c"))) static gc_ssize gc_acc_fp16_hw(float *acc, const uint16_t *w, gc_ssize m,
                                                                      float d, int mode, uint32_t *flag) {
-    gc_ssize i = 0;
-    __m256i fv = _mm256_setzero_si256();
-    const __m256i e = _mm256_set1_epi32((int)GC_EXP32), ulp = _mm256_set1_epi32((int)GC_ULP32);
-    const __m256 vd = _mm256_set1_ps(d);
-    for (; i + 8 <= m; i += 8) {
-        __m256 s = _mm256_add_ps(_mm256_loadu_ps(acc + i), _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(w + i))));
-        if (mode == GC_MUL) s = _mm256_mul_ps(s, vd);
-        else if (mode == GC_DIV) s = _mm256_div_ps(s, vd);
-        _mm256_storeu_ps(acc + i, s);
-        fv = _mm256_or_si256(fv, _mm256_add_epi32(_mm256_and_si256(_mm256_castps_si256(s), e), ulp));
-    }
-    if ((unsigned)_mm256_movemask_ps(_mm256_castsi256_ps(fv)))  /* the sign bit of a lane: an Inf/NaN */
-        *flag |= GC_TOP32;
-    return i;
+    GC_ACC_HW_LOOP(_mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(w + i))), 0)
 }
 
-/* acc = finish(acc + widen(w)) (acc = widen(w) when decode_only), 8 lanes a time: gc_acc_bf16_512's steps with
- * AVX2. ORs the finite check's top bit into flag and returns how many it did (a multiple of 8). */
+/* bf16 widens by a shift into the top half of each float32 (gc_acc_bf16_512's steps with AVX2). */
 __attribute__((target("avx2"))) static gc_ssize gc_acc_bf16_hw(float *acc, const uint16_t *w, gc_ssize m, float d,
                                                                 int mode, int decode_only, uint32_t *flag) {
-    gc_ssize i = 0;
-    __m256i fv = _mm256_setzero_si256();
-    const __m256i e = _mm256_set1_epi32((int)GC_EXP32), ulp = _mm256_set1_epi32((int)GC_ULP32);
-    const __m256 vd = _mm256_set1_ps(d);
-    for (; i + 8 <= m; i += 8) {
-        __m256 x = _mm256_castsi256_ps(_mm256_slli_epi32(
-            _mm256_cvtepu16_epi32(_mm_loadu_si128((const __m128i *)(w + i))), 16));
-        __m256 s = decode_only ? x : _mm256_add_ps(_mm256_loadu_ps(acc + i), x);
-        if (mode == GC_MUL) s = _mm256_mul_ps(s, vd);
-        else if (mode == GC_DIV) s = _mm256_div_ps(s, vd);
-        _mm256_storeu_ps(acc + i, s);
-        fv = _mm256_or_si256(fv, _mm256_add_epi32(_mm256_and_si256(_mm256_castps_si256(s), e), ulp));
-    }
-    if ((unsigned)_mm256_movemask_ps(_mm256_castsi256_ps(fv)))  /* the sign bit of a lane: an Inf/NaN */
-        *flag |= GC_TOP32;
-    return i;
+    GC_ACC_HW_LOOP(_mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(
+        _mm_loadu_si128((const __m128i *)(w + i))), 16)), decode_only)
 }
 
 /* gc_bf16 on 16 lanes at a time, with the NaN select: a signed comparison for the NaN test (|u| fits in 31
