@@ -223,6 +223,52 @@ def test_wire_dtype_on_the_window_has_the_reference_bits_at_every_vector_width(w
                     assert b.tobytes() == want.tobytes(), (level, op, mode)
 
 
+#: NaNs whose number rounding to bf16 goes wrong (0x7fffffff gives -0.0, 0xffffffff gives 0.0), a signalling
+#: NaN of each sign, the default quiet NaN, and both infinities
+NAN_BITS = [0x7FFFFFFF, 0xFFFFFFFF, 0x7F800001, 0xFF800001, 0x7FC00000, 0x7F800000, 0xFF800000]
+
+
+@pytest.mark.parametrize("n", [2, 3])
+@pytest.mark.parametrize("wire", ["bf16", "fp16"])
+def test_wire_dtype_on_the_window_keeps_every_nan_and_inf_in_every_lane(wire: str, n: int) -> None:
+    """Each rank's NaNs and Infs sit where no other rank has one, in the share another rank reduces and in
+    its own (which two-shot reads from the float32 buffer and rounds in the reduction): the bits are the
+    reference's, at every vector width."""
+    count = 16 * 601 + 5
+    rng = np.random.default_rng(11 + n)
+    data = [rng.standard_normal(count).astype(np.float32) for _ in range(n)]
+    spots = rng.permutation(count)[: n * 70].reshape(n, 70)
+    for r, d in enumerate(data):
+        d.view(np.uint32)[spots[r]] = np.resize(np.array(NAN_BITS, np.uint32), 70)
+    want = _wire_reference(data, wire, "mean")
+    for level in simd_widths("gradcoll.algorithms._direct_c"):
+        for mode in MODES[1:]:
+            bufs = [d.copy() for d in data]
+            each_rank(n, lambda r, t: direct_wire(t, bufs[r], wire=wire, op="mean", check_finite=False, seq=1,
+                                                  timeout=20.0, mode=mode))
+            for b in bufs:
+                assert b.tobytes() == want.tobytes(), (level, mode)
+
+
+@pytest.mark.parametrize("bits", [0xFFFFFFFF, 0x7FFFFFFF])
+def test_a_nan_in_a_ranks_own_share_halts_the_wire_allreduce_at_every_vector_width(bits: int) -> None:
+    n, count = 3, 90_000
+    at = count // 2 + 17  # in rank 1's share of the two-shot
+    for level in simd_widths("gradcoll.algorithms._direct_c"):
+        bufs = [np.ones(count, np.float32) for _ in range(n)]
+        bufs[1].view(np.uint32)[at] = bits
+        ts = create_world(n, timeout=10)
+        try:
+            _, errors = gather_ranks(lambda r: direct_wire(ts[r], bufs[r], wire="bf16", op="mean", seq=5,
+                                                           check_finite=True, timeout=10.0, mode="two-shot"), n)
+        finally:
+            for t in ts:
+                t.close()
+        for r, e in enumerate(errors):
+            assert isinstance(e, NonFiniteError), (level, r, e)
+            assert (e.contributor, e.index, e.seq) == (1, at, 5), (level, str(e))
+
+
 def test_alloc_reduces_in_place_without_a_copy_in() -> None:
     n, count = 3, 100_003
 
