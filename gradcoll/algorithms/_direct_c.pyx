@@ -392,7 +392,7 @@ cdef extern from *:
     }
     static void gcd_decode(const uint16_t* src, float* dst, int64_t m, int fp16, const float* table) {
         if (fp16) gc_acc_fp16(dst, src, table, m, 1.0f, GC_NONE, 1);
-        else gc_acc_bf16(dst, src, m, 1.0f, GC_NONE, 1);
+        else gc_widen_bf16(dst, src, m);  /* (no finite check: its callers check the encoded values) */
     }
     /* sum of n wire inputs in rank order in float32, divided, rounded to the wire into enc (a private block
        when NULL) and widened into dec when not NULL; nonzero when an encoded result is Inf/NaN. Input me is
