@@ -200,7 +200,7 @@ def _wire_reference(data: list[np.ndarray], wire: str, op: str) -> np.ndarray:
     return acc
 
 
-@pytest.mark.parametrize("n", [2, 3, 4])
+@pytest.mark.parametrize("n", [2, 3, 4, 5, 8])  # 2-4: the loops with n fixed; 5, 8: n as it comes
 @pytest.mark.parametrize("wire", ["bf16", "fp16"])
 def test_wire_dtype_on_the_window_has_the_reference_bits_at_every_vector_width(wire: str, n: int) -> None:
     count = 16 * 811 + 7  # a tail after the 16-lane groups
