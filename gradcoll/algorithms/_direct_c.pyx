@@ -390,9 +390,11 @@ cdef extern from *:
         if (fp16) gc_encode_fp16((const uint32_t*)src, dst, m);
         else gc_encode_bf16((const uint32_t*)src, dst, m);
     }
+    /* (no finite check: the callers check the encoded values. fp16 through vcvtph2ps, which would quiet a
+       signalling NaN: what it decodes is a rounding's result, never one, or an input an add then quiets) */
     static void gcd_decode(const uint16_t* src, float* dst, int64_t m, int fp16, const float* table) {
-        if (fp16) gc_acc_fp16(dst, src, table, m, 1.0f, GC_NONE, 1);
-        else gc_widen_bf16(dst, src, m);  /* (no finite check: its callers check the encoded values) */
+        if (fp16) gc_widen_fp16(dst, src, table, m);
+        else gc_widen_bf16(dst, src, m);
     }
     /* sum of n wire inputs in rank order in float32, divided, rounded to the wire into enc (a private block
        when NULL) and widened into dec when not NULL; nonzero when an encoded result is Inf/NaN. Input me is
@@ -411,8 +413,9 @@ cdef extern from *:
         float dm = pow2 ? 1.0f / div : div;
         int last = pow2 ? GC_MUL : GC_DIV;
     #ifdef GCD_EXACT_AVX2
-        if (!fp16 && gc_simd() >= 1) {  /* in registers, 16 or 8 lanes a time; the block form for the tail */
-            int64_t done = gc_simd() >= 2 ? gc_wire_reduce_bf16_512(xs, n, m, enc, dec, div, dodiv, mine, me, &flag)
+        if (gc_simd() >= 1) {  /* in registers, 16 or 8 lanes a time (fp16: 8); the block form for the tail */
+            int64_t done = fp16 ? gc_wire_reduce_fp16_256(xs, n, m, enc, dec, div, dodiv, mine, me, &flag)
+                         : gc_simd() >= 2 ? gc_wire_reduce_bf16_512(xs, n, m, enc, dec, div, dodiv, mine, me, &flag)
                                           : gc_wire_reduce_bf16_256(xs, n, m, enc, dec, div, dodiv, mine, me, &flag);
             if (done == m) return flag != 0;
             for (int r = 0; r < n; r++) t[r] = xs[r] + done;

@@ -503,6 +503,30 @@ __attribute__((unused)) static void gc_widen_bf16(float *restrict dst, const uin
     }
 }
 
+/* dst = widen(w) for fp16 values that are never a signalling NaN (a rounding's results; vcvtph2ps would quiet
+ * one), with no finite check: vcvtph2ps 16 a time, the table for the rest. */
+#if defined(GC_F16C)
+__attribute__((target("avx2,f16c"), unused)) static gc_ssize gc_widen_fp16_hw(float *dst, const uint16_t *w,
+                                                                              gc_ssize m) {
+    gc_ssize i = 0;
+    for (; i + 16 <= m; i += 16) {
+        _mm256_storeu_ps(dst + i, _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(w + i))));
+        _mm256_storeu_ps(dst + i + 8, _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(w + i + 8))));
+    }
+    return i;
+}
+#endif
+__attribute__((unused)) static void gc_widen_fp16(float *restrict dst, const uint16_t *restrict w,
+                                                  const float *restrict table, gc_ssize m) {
+    gc_ssize i = 0;
+#if defined(GC_F16C)
+    if (gc_simd() >= 1)
+        i = gc_widen_fp16_hw(dst, w, m);
+#endif
+    for (; i < m; i++)
+        dst[i] = table[w[i]];
+}
+
 GC_CLONES static int gc_acc_fp16(float *restrict acc, const uint16_t *restrict w, const float *restrict table,
                                  gc_ssize m, float d, int mode, int decode_only) {
     gc_ssize i = 0;

@@ -245,6 +245,44 @@ __attribute__((target("avx2"), unused)) static gc_ssize gc_wire_reduce_bf16_256(
     }
     return i;
 }
+/* The fp16 wire reduction with AVX2 and F16C, 8 lanes a time: each input widened (vcvtph2ps), this rank's
+ * float32 share rounded to fp16 and widened again (vcvtps2ph to nearest even, as gc_encode_fp16_hw), added
+ * in rank order, divided as the bf16 loop divides, rounded to fp16 for enc and widened for dec. The same bits
+ * as the block form: the widening quiets a signalling NaN, which the first add does there too, and a rounded
+ * value is never a signalling NaN, so its widening is the table's. Returns how many it did (a multiple of
+ * 8); ORs 0x8000 into flag when an encoded result is Inf or NaN. */
+__attribute__((target("avx2,f16c"), unused)) static gc_ssize gc_wire_reduce_fp16_256(
+        const uint16_t *const *xs, int n, gc_ssize m, uint16_t *enc, float *dec, float div, int dodiv,
+        const float *mine, int me, uint32_t *flag) {
+    gc_ssize i = 0;
+    uint32_t db;
+    memcpy(&db, &div, 4);
+    const int mul = (db & 0x807fffffu) == 0 && (db >> 23) > 0 && (db >> 23) < 253;  /* as the bf16 loops */
+    const __m256 vd = _mm256_set1_ps(mul ? 1.0f / div : div);
+    const __m128i e = _mm_set1_epi16(0x7c00), ulp = _mm_set1_epi16(0x0400);
+    __m128i fv = _mm_setzero_si128();
+    int r, own = mine != NULL ? me : -1;
+    for (; i + 8 <= m; i += 8) {
+        __m256 s = _mm256_setzero_ps();
+        for (r = 0; r < n; r++) {
+            __m128i h = r == own ? _mm256_cvtps_ph(_mm256_loadu_ps(mine + i), _MM_FROUND_TO_NEAREST_INT)
+                                 : _mm_loadu_si128((const __m128i *)(xs[r] + i));
+            __m256 x = _mm256_cvtph_ps(h);
+            s = r == 0 ? x : _mm256_add_ps(s, x);
+        }
+        if (dodiv)
+            s = mul ? _mm256_mul_ps(s, vd) : _mm256_div_ps(s, vd);
+        __m128i q = _mm256_cvtps_ph(s, _MM_FROUND_TO_NEAREST_INT);
+        fv = _mm_or_si128(fv, _mm_add_epi16(_mm_and_si128(q, e), ulp));
+        if (enc != NULL)
+            _mm_storeu_si128((__m128i *)(enc + i), q);
+        if (dec != NULL)
+            _mm256_storeu_ps(dec + i, _mm256_cvtph_ps(q));
+    }
+    if (_mm_movemask_epi8(fv) & 0xaaaa)  /* the top bit of a 16-bit lane: an Inf/NaN */
+        *flag |= 0x8000u;
+    return i;
+}
 #endif
 
 #endif /* GRADCOLL_WIDE_H */
