@@ -31,7 +31,18 @@ IMPLS = ["gradcoll-tcp", "mpi-tcp", "gloo"]
 PURE = "gradcoll-tcp-py"
 
 
+#: gradcoll's tcp allreduce with one algorithm instead of "auto": gradcoll-tcp-ring, gradcoll-tcp-halving_doubling, ...
+FIXED = ("ring", "star", "recursive_doubling", "halving_doubling")
+
+
 def _run(kind: str, n: int, lo: str, hi: str, repeats: int) -> list[dict]:
+    algo = kind.removeprefix("gradcoll-tcp-")
+    if algo in FIXED:
+        os.environ[compare_anchors.ALGORITHM_ENV] = algo  # the launched ranks inherit it
+        try:
+            return [{**r, "impl": kind} for r in compare_anchors.run("gradcoll-tcp", n, lo, hi, repeats)]
+        finally:
+            del os.environ[compare_anchors.ALGORITHM_ENV]
     if kind != PURE:
         return compare_anchors.run(kind, n, lo, hi, repeats)
     os.environ["GRADCOLL_TCP_PURE_PYTHON"] = "1"  # the launched ranks inherit it
@@ -48,12 +59,14 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--rounds", type=int, default=5, help="alternating rounds (default 5)")
     ap.add_argument("--repeats", type=int, default=3, help="timed loops per size in a round (median; default 3)")
     ap.add_argument("--only", default=",".join(IMPLS),
-                    help=f"implementations, comma-separated (also {PURE}: the Python send/receive loops)")
+                    help=f"implementations, comma-separated (also {PURE}: the Python send/receive loops; "
+                         "gradcoll-tcp-ALGO: one allreduce algorithm instead of auto, ALGO one of "
+                         f"{', '.join(FIXED)})")
     ap.add_argument("--json", dest="json_path", default=None, help="write every round's rows here")
     a = ap.parse_args(argv)
     impls = [i for i in a.only.split(",") if i]
     for kind in list(impls):
-        why = None if kind == PURE else compare_anchors._available(kind)
+        why = None if kind == PURE or kind.removeprefix("gradcoll-tcp-") in FIXED else compare_anchors._available(kind)
         if why:
             print(f"# skipping {kind}: {why}", file=sys.stderr)
             impls.remove(kind)

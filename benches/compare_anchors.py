@@ -83,12 +83,18 @@ def _time_loop(step, barrier, nbytes: int, repeats: int) -> float:
     return float(np.median(samples))
 
 
+#: Set in the launcher's environment: gradcoll's allreduces run this algorithm instead of "auto".
+ALGORITHM_ENV = "GRADCOLL_BENCH_ALGORITHM"
+
+
 def _gradcoll(kind: str, op: str):
     import gradcoll
 
     g = gradcoll.init_process_group(kind.split("-")[1] if kind != "memcpy" else "shm", "env://", timeout=120)
     world = g.size
     kw = {"gradcoll-shm-det": {"deterministic": True}, "gradcoll-shm-bf16": {"wire_dtype": "bf16"}}.get(kind, {})
+    if os.environ.get(ALGORITHM_ENV):  # one algorithm instead of "auto" (benches/bench_tcp.py's gradcoll-tcp-ALGO)
+        kw = {**kw, "algorithm": os.environ[ALGORITHM_ENV]}
 
     def make(buf):
         if kind == "memcpy":

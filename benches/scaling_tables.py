@@ -19,7 +19,8 @@ REDUCE_BPS = 40e6 / 5.52e-3
 LINKS = {"10 Gbit/s": link_model(10, 25e-6, REDUCE_BPS), "100 Gbit/s": link_model(100, 5e-6, REDUCE_BPS)}
 RANKS = (8, 32, 128, 1024)
 SIZES = (1 << 20, 16 << 20, 256 << 20, 1 << 30)
-SHORT = {"ring": "ring", "star": "star", "recursive_doubling": "rec. doubling", "two_level": "two-level"}
+SHORT = {"ring": "ring", "star": "star", "recursive_doubling": "rec. doubling", "halving_doubling": "halving-doubling",
+         "two_level": "two-level"}
 #: Inside a host: shared memory for the two-level allreduce's own steps, the kernel's loopback tcp for the flat
 #: algorithms (a group over tcp uses tcp between ranks of one host too).
 SHM_LOCAL = AlphaBeta(5e-6, 1 / 20e9, 1 / REDUCE_BPS)
@@ -115,7 +116,7 @@ def plot(path: str) -> None:
 
     sizes = [1 << k for k in range(20, 31)]
     ranks = dict(zip((8, 128, 1024), ("-", "--", ":"), strict=True))
-    colors = dict(zip(ALGORITHMS, ("C0", "C1", "C2"), strict=True))
+    colors = dict(zip(ALGORITHMS, ("C0", "C1", "C2", "C3"), strict=True))
     # One legend per panel: colour is the algorithm, line style the world size.
     handles = [Line2D([], [], color=c, label=SHORT[a]) for a, c in colors.items()]
     handles += [Line2D([], [], color="k", linestyle=st, label=f"{n} ranks") for n, st in ranks.items()]

@@ -19,6 +19,8 @@ predicts fastest):
 * ``recursive_doubling``: log2(n) rounds, latency-optimal for small buffers;
 * ``star``: everything through rank 0, two steps, rank-order summation;
 * ``ring``: bandwidth-optimal, pipelined, for large buffers;
+* ``halving_doubling``: the ring's bytes in ``2 log2(n)`` rounds (a
+  reduce-scatter by recursive halving, an allgather by recursive doubling);
 * ``direct``: where the ranks share memory (one host), every rank reads
   every rank's slot of a shared window (``gradcoll.algorithms.direct``):
   ``auto`` runs it whenever the transport offers a window.
@@ -45,6 +47,7 @@ from .allgather import allgather
 from .barrier import barrier
 from .broadcast import broadcast
 from .direct import direct_allreduce
+from .halving_doubling import halving_doubling_allreduce
 from .recursive_doubling import recursive_doubling_allreduce
 from .reduce_scatter import reduce_scatter
 from .ring import ring_allreduce
@@ -58,6 +61,7 @@ __all__ = [
     "star_allreduce",
     "two_level_allreduce",
     "recursive_doubling_allreduce",
+    "halving_doubling_allreduce",
     "direct_allreduce",
     "broadcast",
     "allgather",
@@ -76,6 +80,7 @@ ALLREDUCE: dict[str, Callable[..., object]] = {
     "ring": ring_allreduce,
     "star": star_allreduce,
     "recursive_doubling": recursive_doubling_allreduce,
+    "halving_doubling": halving_doubling_allreduce,
     "direct": direct_allreduce,
     "two_level": two_level_allreduce,
 }

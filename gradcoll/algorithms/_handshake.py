@@ -49,7 +49,7 @@ __all__ = ["Record", "ROOT", "RECORD_SIZE", "descriptor", "make_record", "with_s
 ROOT = 0
 
 KINDS = ("?", "allreduce", "broadcast", "allgather", "reduce_scatter", "barrier")
-ALGOS = ("-", "ring", "star", "recursive_doubling", "tree", "direct", "two_level")
+ALGOS = ("-", "ring", "star", "recursive_doubling", "tree", "direct", "two_level", "halving_doubling")
 OP_CODES = ("-", "mean", "sum", "max", "min")
 
 # present, kind, algo, op, dtype char, itemsize, root, count, seq, status, peer, index, value (64 bytes)

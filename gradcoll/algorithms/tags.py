@@ -40,6 +40,7 @@ Phases, the low byte:
 | 7 | broadcast |
 | 8 | allgather |
 | 9, 10 | two-level allreduce: inside each host, up to its leader and back down |
+| 11, 12, 13, 14 | halving-doubling allreduce: fold, reduce-scatter rounds, allgather rounds, unfold |
 | 1 .. 7 | raw-contribution schedules (low-precision and deterministic): reduce-scatter, allgather, up, down, fold, rounds, unfold |
 
 The two-level allreduce's step between host leaders is the ring's (1) or
@@ -129,6 +130,7 @@ RD_FOLD, RD_ROUND, RD_UNFOLD = 4, 5, 6
 BROADCAST = 7
 ALLGATHER = 8
 TWO_LEVEL_UP, TWO_LEVEL_DOWN = 9, 10
+HD_FOLD, HD_RS, HD_AG, HD_UNFOLD = 11, 12, 13, 14
 RAW_RS, RAW_AG, RAW_UP, RAW_DOWN, RAW_FOLD, RAW_ROUND, RAW_UNFOLD = range(1, 8)
 
 #: Every schedule's phases, for the table above and its test.
@@ -139,5 +141,6 @@ PHASES: dict[str, tuple[int, ...]] = {
     "broadcast": (BROADCAST,),
     "allgather": (ALLGATHER,),
     "two_level": (TWO_LEVEL_UP, TWO_LEVEL_DOWN),
+    "halving_doubling": (HD_FOLD, HD_RS, HD_AG, HD_UNFOLD),
     "raw": (RAW_RS, RAW_AG, RAW_UP, RAW_DOWN, RAW_FOLD, RAW_ROUND, RAW_UNFOLD),
 }

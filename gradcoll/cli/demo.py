@@ -98,6 +98,11 @@ def batch_indices(step: int, n_samples: int, global_batch: int) -> np.ndarray:
     return perm[k * global_batch : (k + 1) * global_batch]
 
 
+def _hd_sent(world: int) -> float:
+    """Rank 0's bytes sent by the halving-doubling allreduce, per byte of buffer (it folds in when not a power of 2)."""
+    return 2 * (world - 1) / world if world & (world - 1) == 0 else 1.0
+
+
 def train_single(steps: int, lr: float, global_batch: int, x: np.ndarray, y: np.ndarray) -> Model:
     """The single-process reference over the same global batches."""
     model = Model.create(x.shape[1], 64, int(y.max()) + 1)
@@ -160,7 +165,7 @@ def worker_main(argv: Sequence[str] | None = None) -> int:
         algo = select_allreduce(grad.nbytes, world, tname, shared)  # what "auto" ran for the gradient
         sent = {"ring": 2 * (world - 1) / world, "star": world - 1,  # the star: rank 0 sends to every peer
                 "recursive_doubling": (world.bit_length() - 1) + (world & (world - 1) != 0),
-                "direct": 1.0}.get(algo, 0.0) if world > 1 else 0  # direct: rank 0 copies its buffer into its slot
+                "halving_doubling": _hd_sent(world), "direct": 1.0}.get(algo, 0.0) if world > 1 else 0  # direct: rank 0 copies its buffer into its slot
         moved = "copied into the shared window" if algo == "direct" else "sent"
         print("summary:")
         print(f"  ranks                 {world} over {getattr(getattr(group, 'transport', None), 'name', '?')}")

@@ -36,7 +36,7 @@ The node is an explicit input (``Node``: ranks on one node and the cores they sh
 ``node=None``, gives every rank a core of its own (and the cache to itself), which is what the 8-1,024-rank
 cluster predictions assume.
 
-``work`` gives, for one algorithm, world size and buffer size ``S``, the messages, link bytes, reduced bytes
+``work`` (``gradcoll.model.work``) gives, for one algorithm, world size and buffer size ``S``, the messages, link bytes, reduced bytes
 and copied bytes on the critical path, and the mean copied and reduced bytes of the other ranks:
 
 The message size per algorithm (for the per-core cache) is ``S/n`` for the ring and ``S`` for the star and
@@ -52,6 +52,10 @@ recursive doubling (``Work.message``).
   stream a message, and a receiver that is only waiting copies out behind the sender's copy in (see
   ``gradcoll.model.sim``). They still load the node's memory, so the cache term counts them (``streamed``,
   ``2 S``).
+* ``halving_doubling``: ``2 log2 p`` exchanges, halving from ``S/2`` to ``S/p`` bytes and doubling back: the
+  ring's ``2 (p-1)/p S`` link bytes, ``(p-1)/p S`` reduced and ``4 (p-1)/p S`` copied, in the rounds of
+  recursive doubling (message ``S/2``, the first round's); when ``n`` is not a power of two, recursive
+  doubling's fold and unfold more.
 * ``recursive_doubling``: ``log2 p`` exchanges of ``S`` bytes (``S`` copied in and ``S`` out: both ends copy
   their own message in, then the other's out), each followed by the reduction of ``S`` (``p`` the largest
   power of two <= n); when ``n`` is not a power of two, a fold (``S`` bytes, reduced) and an unfold (``S``)
@@ -81,27 +85,20 @@ import math
 import os
 from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass, fields
-from typing import Any, NamedTuple
+from typing import Any
 
 import numpy as np
 
 from ..errors import UsageError
+from .work import ALGORITHMS, DIRECT_MODES, L2_COPIES, Work, halving_out_of_l2, out_of_l2, terms, work
 
 __all__ = ["AlphaBeta", "Node", "Work", "ALGORITHMS", "DIRECT_MODES", "PARAMETERS", "terms", "work", "predict", "best",
-           "fit", "crossovers", "busbw", "link_model", "stored_models", "FITTED_PATH", "EARLIER_TIME_KEYS"]
-
-#: The algorithms over links the model covers (``algorithm="auto"`` chooses among them where memory is not shared).
-ALGORITHMS = ("ring", "star", "recursive_doubling")
-#: The two schedules of the direct allreduce over a shared window (``gradcoll.algorithms.direct``).
-DIRECT_MODES = ("direct_one_shot", "direct_two_shot")
+           "fit", "crossovers", "busbw", "link_model", "stored_models", "FITTED_PATH", "EARLIER_TIME_KEYS", "out_of_l2",
+           "L2_COPIES"]
 
 #: The linear parameters ``fit`` can estimate, in this order.
 PARAMETERS = ("alpha_s", "switch_s", "beta_s_per_byte", "gamma_s_per_byte", "delta_s_per_byte", "mem_s_per_byte",
               "l2_s_per_byte", "wait_share")
-
-#: A rank's per-core working set per message: the message in its user buffer and in the transport's buffer
-#: (socket buffer, shm segment), for the message it sends and the one it receives.
-L2_COPIES = 4
 
 #: The stored models fitted to this project's measurements (``benches/fit_costmodel.py --write``).
 FITTED_PATH = os.path.join(os.path.dirname(os.path.abspath(__file__)), "fitted.json")
@@ -156,69 +153,9 @@ class Node:
             raise UsageError(f"a node needs ranks >= 1 and cores > 0, got {self.ranks} ranks, {self.cores} cores")
 
 
-class Work(NamedTuple):
-    """Critical-path terms of one allreduce (see ``work``)."""
-
-    messages: float
-    link_bytes: float
-    reduced: float
-    copied: float
-    other_reduced: float  # mean over the other ranks
-    other_copied: float
-    streamed: float = 0.0  # copied by an idle peer alongside the critical path: its core time hidden, not its memory traffic
-    message: float = 0.0  # bytes of one message (and of one reduction's incoming contribution)
-
-
-def out_of_l2(message: float, l2_bytes: float, ranks_per_core: float = 1.0) -> float:
-    """The fraction of a copy or reduction of ``message`` bytes that misses a per-core cache of ``l2_bytes``.
-
-    The core's working set is ``L2_COPIES`` times the message (times the
-    ranks that time-share the core).
-    """
-    ws = L2_COPIES * message * max(1.0, ranks_per_core)
-    return max(0.0, 1.0 - l2_bytes / ws) if ws > 0 and l2_bytes > 0 else 0.0
-
-
 def link_model(gbit_per_s: float, alpha_s: float, reduce_bytes_per_s: float) -> AlphaBeta:
     """A model for a network link of ``gbit_per_s`` with latency ``alpha_s`` and a kernel of given throughput."""
     return AlphaBeta(alpha_s, 8.0 / (gbit_per_s * 1e9), 1.0 / reduce_bytes_per_s)
-
-
-def work(algorithm: str, n: int, nbytes: float) -> Work:
-    """Messages, link bytes, reduced bytes, copied bytes on the critical path; the other ranks' mean reduced/copied."""
-    if n < 1:
-        raise UsageError(f"world size must be >= 1, got {n}")
-    if n == 1:
-        return Work(0.0, 0.0, 0.0, 0.0, 0.0, 0.0)
-    s = float(nbytes)
-    if algorithm == "ring":
-        c = s / n
-        return Work(2.0 * (n - 1), 2.0 * (n - 1) * c, (n - 1) * c, 4.0 * (n - 1) * c, (n - 1) * c, 4.0 * (n - 1) * c,
-                    0.0, c)
-    if algorithm == "star":
-        return Work(2.0, 2.0 * (n - 1) * s, (n - 1) * s, (2.0 * n - 1) * s, 0.0, 2.0 * s, 2.0 * s, s)
-    if algorithm == "recursive_doubling":
-        p = 1 << (n.bit_length() - 1)
-        rounds = p.bit_length() - 1
-        if n == p:
-            return Work(float(rounds), rounds * s, rounds * s, 2.0 * rounds * s, rounds * s, 2.0 * rounds * s, 0.0, s)
-        r = n - p  # r ranks fold in and sit out, r fold and unfold, p - r only exchange
-        other_red = ((r - 1) * (rounds + 1) * s + (p - r) * rounds * s) / (n - 1)
-        other_cp = (r * 2 * s + (r - 1) * (2 * rounds + 2) * s + (p - r) * 2 * rounds * s) / (n - 1)
-        return Work(rounds + 2.0, (rounds + 2) * s, (rounds + 1) * s, (2.0 * rounds + 2) * s, other_red, other_cp,
-                    2.0 * s, s)
-    if algorithm == "direct_one_shot":  # copy in, one sync, every rank adds all n slots into its own buffer
-        return Work(1.0, 0.0, (n - 1) * s, s, (n - 1) * s, s, 0.0, s)
-    if algorithm == "direct_two_shot":  # copy the others' shares in, sync, reduce a 1/n share, sync, copy all out
-        c = s / n
-        return Work(2.0, 0.0, (n - 1) * c, (2.0 * n - 1) * c, (n - 1) * c, (2.0 * n - 1) * c, 0.0, c)
-    raise UsageError(f"unknown algorithm {algorithm!r}; the model covers {', '.join(ALGORITHMS + DIRECT_MODES)}")
-
-
-def terms(algorithm: str, n: int, nbytes: float) -> tuple[float, float, float]:
-    """(messages, link bytes, reduced bytes) on the critical path of one allreduce."""
-    w = work(algorithm, n, nbytes)
-    return w.messages, w.link_bytes, w.reduced
 
 
 def _columns(algorithm: str, n: int, nbytes: float, node: Node | None, model: AlphaBeta | None) -> np.ndarray:
@@ -229,7 +166,11 @@ def _columns(algorithm: str, n: int, nbytes: float, node: Node | None, model: Al
     ranks, cores = (1, 1.0) if node is None else (min(node.ranks, n), node.cores)
     cache = 0.0 if model is None else model.cache_bytes
     out_of_cache = max(0.0, 1.0 - cache / (float(nbytes) * ranks)) if nbytes > 0 else 0.0
-    l2 = out_of_l2(w.message, 0.0 if model is None else model.l2_bytes, ranks / cores)
+    l2_bytes = 0.0 if model is None else model.l2_bytes
+    if algorithm == "halving_doubling" and n >= 4:  # at 2 (and 3) ranks its rounds are the ring's messages
+        l2 = halving_out_of_l2(n, float(nbytes), l2_bytes, ranks / cores)
+    else:
+        l2 = out_of_l2(w.message, l2_bytes, ranks / cores)
     # The streamed copies run on another core but through the same memory: the cache term counts them (the
     # per-core l2 term, like delta, not: that core's time is hidden).
     crit = np.array([w.reduced, w.copied, out_of_cache * (w.reduced + w.copied + w.streamed), l2 * (w.reduced + w.copied)])

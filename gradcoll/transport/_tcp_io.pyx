@@ -400,7 +400,7 @@ cdef inline Py_ssize_t _first_bad(const uint8_t* a, Py_ssize_t lo, Py_ssize_t hi
 
 def exchange(int fd, int wake, cnp.ndarray acc, cnp.ndarray tmp, uint32_t tag, uint64_t sseq, uint64_t rseq,
              double spin, double timeout, double divisor, bint check_input, bint check, Py_ssize_t ahead,
-             uint8_t[::1] ring):
+             uint8_t[::1] ring, cnp.ndarray src=None):
     """One exchange-and-reduce with the peer on ``fd``: ``acc`` out (frame ``sseq``), ``tmp`` in (frame ``rseq``),
     and ``acc += tmp`` (divided by ``divisor``) with the finite check when ``check``.
 
@@ -421,14 +421,22 @@ def exchange(int fd, int wake, cnp.ndarray acc, cnp.ndarray tmp, uint32_t tag, u
     received are reduced ``REDUCE_STEP`` at a time (an element of ``acc`` is
     only changed once its bytes are on the wire).
 
+    ``src``: send this array instead of ``acc`` (one dtype, any size, not
+    overlapping ``acc``): the recursive-halving round of a reduce-scatter,
+    which sends one part of the buffer and adds the peer's into another.
+    The received elements are then reduced as soon as they arrive, and
+    ``check_input`` also checks each piece of ``acc`` just before adding
+    into it (both are this rank's input in such a round).
+
     Returns ``(outcome, sent, received, send_errno, recv_errno, eof, header,
     reduced, finite, bad_input)``: the outcome (``DONE``, ``NONFINITE``, ``BAD_INPUT`` or
     ``STOPPED``), the bytes of each frame moved, header included, the errno
     that stopped either direction (0: none), whether the peer closed the
     stream, on ``STOPPED`` the header bytes received so far (None when none),
     the elements already reduced with whether they came out finite, and
-    ``(index, value)`` of the first non-finite element of the input found
-    once the frame had started (None: none; the result is not finite). It
+    ``(index, value, in_acc)`` of the first non-finite element of the input found
+    once the frame had started (None: none; the result is not finite; ``in_acc``:
+    an index of ``acc``, else of the array sent). It
     stops as soon as a complete header is not the expected DATA header (seq,
     tag, length): the caller's engine then judges it. After ``STOPPED`` the
     caller finishes the frames and then ``reduce_rest``.
@@ -440,24 +448,34 @@ def exchange(int fd, int wake, cnp.ndarray acc, cnp.ndarray tmp, uint32_t tag, u
             or not cnp.PyArray_IS_C_CONTIGUOUS(tmp) or not cnp.PyArray_ISWRITEABLE(acc) \
             or not cnp.PyArray_ISWRITEABLE(tmp):
         raise ValueError("exchange takes two writeable C-contiguous float32 or float64 arrays of one size")
+    cdef bint same = src is None or src is acc
+    if same:
+        src = acc
+    elif cnp.PyArray_TYPE(src) != cnp.PyArray_TYPE(acc) or not cnp.PyArray_IS_C_CONTIGUOUS(src):
+        raise ValueError("exchange sends a C-contiguous array of the accumulator's dtype")
     cdef uint8_t* a = <uint8_t*>cnp.PyArray_DATA(acc)
     cdef uint8_t* b = <uint8_t*>cnp.PyArray_DATA(tmp)
+    cdef uint8_t* sp = <uint8_t*>cnp.PyArray_DATA(src)
+    cdef Py_ssize_t sm = cnp.PyArray_SIZE(src), snbytes = cnp.PyArray_NBYTES(src)
+    if not same and snbytes and nbytes and sp < a + nbytes and a < sp + snbytes:
+        raise ValueError("exchange's send array overlaps its accumulator")
     cdef uint8_t sh[HDR]
     cdef uint8_t rh[HDR]
-    cdef Py_ssize_t total = HDR + nbytes, soff = 0, roff = 0, before, red = 0, ready_elems, lim
-    cdef Py_ssize_t item = 8 if is64 else 4, chk = m, bad_i = -1, upto
+    cdef Py_ssize_t total = HDR + nbytes, stotal = HDR + snbytes, soff = 0, roff = 0, before, red = 0
+    cdef Py_ssize_t item = 8 if is64 else 4, chk = sm, bad_i = -1, upto, ready_elems, lim
     cdef int serr = 0, rerr = 0, eof = 0, bad = 0, moved, ready, ms, outcome = X_STOPPED, mode, fin = 1
+    cdef bint check_acc = check_input and not same, bad_in_acc = False
     cdef pollfd pfd[2]
     cdef double now, spin_end, end, f, bad_v = 0.0
     cdef Py_ssize_t rsize = ring.shape[0], floor_b, pay
     if ahead < 4096 or rsize < 4096 or rsize % 8:
         raise ValueError("exchange runs the send at least 4096 bytes ahead and a ring of 8k >= 4096 bytes")
     cdef uint8_t* rg = &ring[0]
-    if check_input and m:
-        chk = ahead // item if m > ahead // item else m
-        if not _finite(a, 0, chk, is64):
+    if check_input and sm:
+        chk = ahead // item if sm > ahead // item else sm
+        if not _finite(sp, 0, chk, is64):
             return X_BAD_INPUT, 0, 0, 0, 0, False, None, 0, True, None
-    _put_header(sh, tag, sseq, nbytes)
+    _put_header(sh, tag, sseq, snbytes)
     mode = _finish(divisor, &f)
     with nogil:
         now = _now()
@@ -466,19 +484,20 @@ def exchange(int fd, int wake, cnp.ndarray acc, cnp.ndarray tmp, uint32_t tag, u
         while True:
             before = soff
             lim = roff + ahead if roff > HDR else HDR + ahead
-            if lim > total:
-                lim = total
-            if chk < m:  # the input's next piece, checked just before the socket copies it
+            if lim > stotal or roff >= total:  # (a longer send than receive goes on once the receive is done)
+                lim = stotal
+            if chk < sm:  # the input's next piece, checked just before the socket copies it
                 upto = (lim - HDR + item - 1) // item
-                if upto > m:
-                    upto = m
+                if upto > sm:
+                    upto = sm
                 if upto > chk:
-                    if not _finite(a, chk, upto, is64):
-                        bad_i = _first_bad(a, chk, upto, is64)
-                        bad_v = (<double*>a)[bad_i] if is64 else (<float*>a)[bad_i]
-                        upto = m  # the result is not finite: nothing more to find
+                    if not _finite(sp, chk, upto, is64):
+                        if bad_i < 0:
+                            bad_i = _first_bad(sp, chk, upto, is64)
+                            bad_v = (<double*>sp)[bad_i] if is64 else (<float*>sp)[bad_i]
+                        upto = sm  # the result is not finite: nothing more to find
                     chk = upto
-            soff = _move(fd, sh, a, soff, lim, True, &serr, &eof)  # everything the socket takes now
+            soff = _move(fd, sh, sp, soff, lim, True, &serr, &eof)  # everything the socket takes now
             moved = soff > before
             if serr:
                 break
@@ -493,18 +512,25 @@ def exchange(int fd, int wake, cnp.ndarray acc, cnp.ndarray tmp, uint32_t tag, u
                     break
             if rerr or eof or bad:
                 break
-            if soff == total and roff == total:
+            if soff == stotal and roff == total:
+                if check_acc and bad_i < 0 and not _finite(a, red, m, is64):
+                    bad_i, bad_in_acc = _first_bad(a, red, m, is64), True
+                    bad_v = (<double*>a)[bad_i] if is64 else (<float*>a)[bad_i]
                 fin = _acc_ring(a, rg, rsize, red, m, item, is64, f, mode) & fin
                 red = m
                 outcome = X_DONE if fin or not check else X_NONFINITE
                 if outcome == X_NONFINITE:
                     _mark(a, is64)
                 break
-            ready_elems = ((soff if soff < roff else roff) - HDR) // item
+            ready_elems = ((soff if same and soff < roff else roff) - HDR) // item
             pay = roff - HDR if roff > HDR else 0
             floor_b = red * item
             if ready_elems > red and (ready_elems - red >= REDUCE_STEP or pay - floor_b >= rsize):
-                # sent and received: reduce it while the sockets work (now, when the ring is full)
+                # sent (when the accumulator is what is sent) and received: reduce it while the sockets work (now,
+                # when the ring is full)
+                if check_acc and bad_i < 0 and not _finite(a, red, ready_elems, is64):
+                    bad_i, bad_in_acc = _first_bad(a, red, ready_elems, is64), True
+                    bad_v = (<double*>a)[bad_i] if is64 else (<float*>a)[bad_i]
                 fin = _acc_ring(a, rg, rsize, red, ready_elems, item, is64, f, mode) & fin
                 red = ready_elems
                 continue
@@ -533,7 +559,7 @@ def exchange(int fd, int wake, cnp.ndarray acc, cnp.ndarray tmp, uint32_t tag, u
         _spill(rg, rsize, b, red * item, roff - HDR)  # what the engine carries on from: tmp holds it
     return (outcome, soff, roff, serr, rerr, bool(eof),
             (<bytes>(<char*>rh)[:min(roff, HDR)]) if outcome == X_STOPPED and roff else None, red, bool(fin),
-            None if bad_i < 0 else (bad_i, bad_v))
+            None if bad_i < 0 else (bad_i, bad_v, bool(bad_in_acc)))
 
 
 def reduce_rest(cnp.ndarray acc, cnp.ndarray tmp, Py_ssize_t done, double divisor, bint finite, bint check):

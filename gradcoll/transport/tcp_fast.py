@@ -81,7 +81,8 @@ _HDR = fr.HEADER_SIZE
 
 def exchange_reduce(t: Any, io: ModuleType, peer: int, acc: np.ndarray, tmp: np.ndarray, tag: int,
                     timeout: float | None, divisor: float, check_input: bool, check: bool,
-                    found: list[tuple[int, float]] | None = None) -> int:
+                    found: list[tuple[int, float]] | None = None, send: np.ndarray | None = None,
+                    at: tuple[int, int] = (0, 0)) -> int:
     """Exchange ``acc`` for the peer's frame in ``tmp`` and reduce it into ``acc`` (see the module docstring).
 
     ``t`` is a ``TcpTransport`` (which imports this module), ``io`` its
@@ -92,13 +93,20 @@ def exchange_reduce(t: Any, io: ModuleType, peer: int, acc: np.ndarray, tmp: np.
     one further on comes out as NONFINITE, with ``(index, value)`` appended
     to ``found``: this rank's input is the culprit. Raises what ``sendrecv``
     raises.
+    ``send``: send this array (of ``acc``'s dtype, any size, apart from
+    ``acc``) instead of ``acc``, and receive a frame of ``acc``'s size (a
+    recursive-halving round: ``sendrecv(peer, send, peer, tmp)``, then
+    ``acc += tmp``). ``check_input`` then checks ``send`` before the socket
+    takes it and ``acc`` before adding into it; ``at`` is where ``send`` and
+    ``acc`` start in the caller's buffer, for the index put in ``found``.
     """
     if type(peer) is not int or not 0 <= peer < t.size or peer == t.rank:
         t._check_peer(peer)
     if type(tag) is not int or not 0 <= tag <= fr.MAX_TAG:
         fr.check_tag(tag)
     link = t._links[peer]
-    if acc.nbytes > SMALL_BYTES or link.secure is not None:
+    src = acc if send is None else send
+    if max(acc.nbytes, src.nbytes) > SMALL_BYTES or link.secure is not None:
         return DECLINED
     with t._mu:
         if t._driving or t._queued() or link.stash or link.failure is not None or t._woken is not None or t.closed:
@@ -111,7 +119,7 @@ def exchange_reduce(t: Any, io: ModuleType, peer: int, acc: np.ndarray, tmp: np.
     try:
         out, sent, got, serr, rerr, eof, hdr, red, fin, bad = io.exchange(
             link.fd, t._wake_fd, acc, tmp, tag, sseq, rseq, t._spin, -1.0 if limit is None else limit, divisor,
-            check_input, check, PIECE_BYTES, _ring(t))
+            check_input, check, PIECE_BYTES, _ring(t), src)
     except BaseException:  # refused its arrays: nothing moved
         _release(t, link, sseq, rseq)
         raise
@@ -119,12 +127,16 @@ def exchange_reduce(t: Any, io: ModuleType, peer: int, acc: np.ndarray, tmp: np.
         _release(t, link, sseq, rseq)
         return DECLINED
     if bad is not None and found is not None:
-        found.append(bad)
+        found.append((at[1 if bad[2] else 0] + bad[0], bad[1]))
     if out != io.STOPPED:
         _release(t, link, None, rseq + 1)
         return REDUCED if out == io.DONE else NONFINITE
-    ops = _adopt(t, link, acc, tmp, tag, sseq, rseq, sent, got, serr, rerr, eof, hdr)
+    ops = _adopt(t, link, src, tmp, tag, sseq, rseq, sent, got, serr, rerr, eof, hdr)
     t._wait(ops, None if limit is None else max(0.0, limit - (time.monotonic() - started)))
+    if check_input and src is not acc and bad is None and found is not None:  # the part of acc not yet checked
+        rest = np.flatnonzero(~np.isfinite(acc[red:]))
+        if rest.size:
+            found.append((at[1] + red + int(rest[0]), float(acc[red + int(rest[0])])))
     return REDUCED if io.reduce_rest(acc, tmp, red, divisor, fin, check) == io.DONE else NONFINITE
 
 
@@ -149,10 +161,10 @@ def _release(t: Any, link: Any, send_seq: int | None, recv_seq: int) -> None:
             t._cv.notify_all()
 
 
-def _adopt(t: Any, link: Any, acc: np.ndarray, tmp: np.ndarray, tag: int, sseq: int, rseq: int,
+def _adopt(t: Any, link: Any, src: np.ndarray, tmp: np.ndarray, tag: int, sseq: int, rseq: int,
            sent: int, got: int, serr: int, rerr: int, eof: bool, hdr: bytes | None) -> tuple[Op, Op]:
     """The engine's operations for a stopped step: ``(recv, send)``, at the head of their queues, judged."""
-    sop = Op(t, link, True, as_bytes_view(acc), tag)
+    sop = Op(t, link, True, as_bytes_view(src), tag)
     sop.seq, sop.hdr, sop.off = sseq, fr.pack_header(sseq, tag, sop.total), sent
     rop = Op(t, link, False, as_writable_view(tmp), tag)
     rop.seq, rop.off, rop.hdr = rseq, got, bytearray(_HDR)

@@ -167,7 +167,7 @@ def test_auto_selection_by_size_and_world() -> None:
     assert select_allreduce(64, 6) == "star" and select_allreduce(64 << 20, 6) == "ring"
     assert select_allreduce(256 << 10, 8) == "recursive_doubling" and select_allreduce(64, 8) == "star"
     assert select_allreduce(64 << 10, 32) == "recursive_doubling"
-    assert select_allreduce(64 << 20, 32) == "ring"
+    assert select_allreduce(64 << 20, 32) in ("ring", "halving_doubling")  # the ring's bytes, fewer rounds
     assert select_allreduce(64, 1) in ALLREDUCE
 
 

@@ -23,7 +23,7 @@ from tests.faults._ranks import rank_main
 STARTUP_S = 60.0  # fork, bootstrap and warm-up on a loaded 2-core machine
 SHM_DIR = "/dev/shm"
 OPS = {"ring": "ring allreduce", "star": "star allreduce", "recursive_doubling": "recursive-doubling allreduce",
-       "direct": "direct allreduce"}
+       "direct": "direct allreduce", "halving_doubling": "halving-doubling allreduce"}
 
 
 def context() -> Any:

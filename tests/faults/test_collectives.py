@@ -24,7 +24,7 @@ from tests.faults._harness import problems, run_collective_fault
 from tests.faults.conftest import FULL, REPEATS
 
 TRANSPORTS = ("tcp", "shm")
-ALGORITHMS = ("ring", "star", "recursive_doubling", "direct", "auto")
+ALGORITHMS = ("ring", "star", "recursive_doubling", "halving_doubling", "direct", "auto")
 SHARED = {"direct"}  # algorithms that need ranks sharing memory (the shm transport's window)
 FAULTS = ("kill", "kill-mid", "stall", "stop-mid")
 BUFFERS = ("4KiB", "64MiB")

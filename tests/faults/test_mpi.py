@@ -22,7 +22,7 @@ from tests.helpers import mpi_skip_reason
 
 pytestmark = [pytest.mark.mpi, pytest.mark.timeout(60 + 40 * REPEATS)]
 SCRIPT = os.path.join(os.path.dirname(os.path.abspath(__file__)), "_mpi_rank.py")
-ALGORITHMS = ("ring", "star", "recursive_doubling") if FULL else ("ring",)
+ALGORITHMS = ("ring", "star", "recursive_doubling", "halving_doubling") if FULL else ("ring",)
 GRACE = 10.0
 
 

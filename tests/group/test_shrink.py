@@ -83,28 +83,29 @@ def _proc_rank(rank: int, size: int, path: str, backend: str, where: str, out: A
     store = FileStore(path, timeout=30)
     g = init_process_group(backend, rank=rank, world_size=size, timeout=3, store=store, stall_warning_s=None)
     store.close()
-    n = 1 << 20  # 4 MiB of float32: the ring, long enough to die inside it
+    n = 1 << 20  # 4 MiB of float32: long enough to die inside it (halving-doubling on 4 tcp ranks, or the ring)
 
     def die(g: ProcessGroup) -> None:
         if where == "between":
             os._exit(1)
-        # Exit at this rank's 5th transport call of the allreduce below: a few segments into the ring, so the
-        # peers are inside the collective with it (a 4-rank ring makes at least 12 calls). A timer could miss
-        # a collective that finishes first.
+        # Exit at this rank's 3rd transport call of the allreduce below: past the reduce-scatter, so the peers
+        # are inside the collective with it (4 ranks make 4 calls in halving-doubling, at least 12 in the
+        # ring). A timer could miss a collective that finishes first.
         calls = [0]
 
         def hooked(fn: Any) -> Any:
             def call(*a: Any, **k: Any) -> Any:
                 calls[0] += 1
-                if calls[0] == 5:
+                if calls[0] == 3:
                     with open(path + ".died", "w") as f:  # tells the parent whether it died inside the collective
                         f.write("inside" if g._diag.rec.current is not None else "outside")
                     os._exit(1)
                 return fn(*a, **k)
             return call
 
-        for name in ("isend", "irecv", "sendrecv"):
-            setattr(g.transport, name, hooked(getattr(g.transport, name)))
+        for name in ("isend", "irecv", "sendrecv", "exchange_reduce"):
+            if hasattr(g.transport, name):
+                setattr(g.transport, name, hooked(getattr(g.transport, name)))
         g.allreduce(_grad(rank, DIE_AT, n))
         threading.Event().wait(30)
 

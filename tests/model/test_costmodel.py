@@ -126,8 +126,10 @@ def test_work_counts_copies_on_the_critical_path() -> None:
     assert work("star", 4, s).copied == 7 * s  # the root's 2(n-1) S + its own copy; both ends of the star stream
     assert work("recursive_doubling", 4, s).copied == 4 * s
     assert work("recursive_doubling", 6, s)[:4] == (4, 4 * s, 3 * s, 6 * s)  # fold and unfold stream: S each
+    assert work("halving_doubling", 4, s)[:4] == (4, 1.5 * s, 0.75 * s, 3 * s)  # the ring's bytes in 2 log2 p rounds
+    assert work("halving_doubling", 6, s)[:4] == (6, 3.5 * s, 1.75 * s, 5 * s)  # and recursive doubling's fold, unfold
     # The streamed copies leave the critical path's cores, not the node's memory: the cache term still counts them.
-    assert [work(a, 6, s).streamed for a in ALGORITHMS] == [0.0, 2 * s, 2 * s]
+    assert [work(a, 6, s).streamed for a in ALGORITHMS] == [0.0, 2 * s, 2 * s, 2 * s]
     assert work("recursive_doubling", 4, s).streamed == 0.0
 
 
@@ -232,9 +234,9 @@ def test_auto_thresholds_are_the_model_crossovers(transport: str | None, n: int)
 
 
 def test_auto_keeps_the_shape() -> None:
-    # Recursive doubling or the star for small buffers, the ring for large ones, at every world size.
+    # Recursive doubling or the star for small buffers, a bandwidth-optimal one (the ring's bytes) for large ones.
     for n in (2, 3, 4, 8, 64, 1024):
-        assert select_allreduce(1 << 30, n) == "ring"
+        assert select_allreduce(1 << 30, n) in ("ring", "halving_doubling")
         assert select_allreduce(4 << 10, n) in ("recursive_doubling", "star")
     assert select_allreduce(64, 1) in ("recursive_doubling", "star", "ring")
 

@@ -46,7 +46,7 @@ def test_the_simulated_hosts_move_messages_over_their_own_links() -> None:
 def test_one_host_or_one_rank_per_host_is_not_two_level() -> None:
     assert not hierarchy.eligible([4]) and not hierarchy.eligible([1, 1, 1]) and hierarchy.eligible([2, 1])
     assert hierarchy.two_level_time([4], 1 << 20, LOCAL, NET) == pytest.approx(predict("star", 4, 1 << 20, LOCAL))
-    assert hierarchy.pick([1, 1, 1, 1], 1 << 20, LOCAL, NET) in ("ring", "star", "recursive_doubling")
+    assert hierarchy.pick([1, 1, 1, 1], 1 << 20, LOCAL, NET) in ("ring", "star", "recursive_doubling", "halving_doubling")
 
 
 @pytest.mark.parametrize("layout", [(2, 2), (8, 8), (4,) * 8, (8,) * 128])
