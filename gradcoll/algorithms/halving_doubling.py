@@ -32,10 +32,10 @@ first element of the half being summed, which is the first element of a
 chunk; every later round carries it to the chunk's owner, and the allgather
 to every rank. See docs/algorithms/halving_doubling.md.
 
-Over tcp, power-of-two groups reduce-scatter with the transport's compiled
-exchange-and-reduce (``Transport.exchange_reduce`` with a send buffer of its
-own): one compiled call per round, reducing the peer's bytes as they
-arrive.
+Over tcp, power-of-two groups run every round as one compiled call of the
+transport's exchange-and-reduce (``Transport.exchange_reduce`` with a send
+array of its own): a reduce-scatter round adds the peer's bytes as they
+arrive, an allgather round (``copy``) receives them in place.
 """
 
 from __future__ import annotations
@@ -111,7 +111,7 @@ def hd_schedule(v: int, p: int) -> list[tuple[int, int, int, int, int]]:
 def hd_pass(coll: Coll, flat: np.ndarray, opts: Options, divisor: int | None = None, *, stepped: bool = False) -> None:
     """The allreduce's schedule; ``mean`` divides by ``divisor`` (default the size; see ``ring.ring_pass``).
 
-    ``stepped``: the reduce-scatter rounds go through the transport's
+    ``stepped``: the rounds go through the transport's
     compiled ``exchange_reduce`` (a power-of-two group, float32/float64,
     mean or sum), which also checks this rank's input in the first round:
     nothing else has checked it (``halving_doubling_allreduce``'s
@@ -164,14 +164,21 @@ def hd_pass(coll: Coll, flat: np.ndarray, opts: Options, divisor: int | None = N
     for k in range(rounds - 1, -1, -1):
         pv, klo, khi, slo, shi = plan[k]
         coll.step = base + 2 * rounds - k
-        coll.sendrecv(rank_of(pv), flat[bounds[klo] : bounds[khi]], flat[bounds[slo] : bounds[shi]], ag)
+        mine, theirs = flat[bounds[klo] : bounds[khi]], flat[bounds[slo] : bounds[shi]]
+        if step is None or step(k, rank_of(pv), flat, (bounds[slo], bounds[shi], bounds[klo], bounds[khi]), None,
+                                ag, False) == _DECLINED:
+            coll.sendrecv(rank_of(pv), mine, theirs, ag)
     if me < 2 * r:
         coll.step = coll.steps
         coll.send(me - 1, flat, unfold)
 
 
 def _step(coll: Coll, opts: Options, divisor: int) -> Callable[..., int]:
-    """One reduce-scatter round through ``Transport.exchange_reduce``: its outcome (``_DECLINED``: nothing moved).
+    """One round through ``Transport.exchange_reduce``: its outcome (``_DECLINED``: nothing moved).
+
+    A reduce-scatter round sends ``flat[c:d]`` and adds the peer's copy of
+    ``flat[a:b]`` into it through ``tmp``; an allgather round (``tmp`` None)
+    sends ``flat[c:d]`` and receives ``flat[a:b]``, and reduces nothing.
 
     In round 0 it checks this rank's input; a non-finite element goes into
     ``coll.status`` (the culprit's record, as the frame's check would have
@@ -181,20 +188,21 @@ def _step(coll: Coll, opts: Options, divisor: int) -> Callable[..., int]:
     t, check = coll.t, opts.check_finite
     exchange = t.exchange_reduce  # type: ignore[attr-defined]
 
-    def step(k: int, peer: int, flat: np.ndarray, where: tuple[int, int, int, int], tmp: np.ndarray, tag: int,
-             last: bool) -> int:
+    def step(k: int, peer: int, flat: np.ndarray, where: tuple[int, int, int, int], tmp: np.ndarray | None,
+             tag: int, last: bool) -> int:
         a, b, c, d = where
         found: list[tuple[int, float]] = []
+        first = check and k == 0 and tmp is not None
         t0 = time.perf_counter()
         try:
-            how = int(exchange(peer, flat[a:b], tmp, tag, coll.deadline.remaining(),
-                               divisor if last and opts.op == "mean" else 1, check and k == 0, check, found,
-                               flat[c:d], (c, a)))
+            how = int(exchange(peer, flat[a:b], flat[a:b] if tmp is None else tmp, tag, coll.deadline.remaining(),
+                               divisor if last and opts.op == "mean" else 1, first, check, found, flat[c:d], (c, a),
+                               tmp is None))
         finally:
             t.note_wait(time.perf_counter() - t0)  # as Coll.sendrecv counts it (ProcessGroup.stats() "wait time")
             if found and coll.status is None:  # this rank's input: the culprit's record, even if the round failed
                 coll.status = (NONFINITE, int(found[0][0]), float(found[0][1]))
-        if how == _DECLINED and k == 0:
+        if how == _DECLINED and first:
             coll.status = local_status(flat, check, opts.backend)
             if coll.status is not None:
                 plant(flat)

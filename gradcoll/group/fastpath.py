@@ -6,8 +6,9 @@ writeable, ``algorithm="auto"``, not ``async_op``. Two paths take it:
 * one host (the transport offers a shared window): the direct allreduce
   (``gradcoll.algorithms.direct.hot_allreduce``), in every variant it runs;
 * a power-of-two group over a transport with an exchange-and-reduce step
-  (tcp), where ``auto`` picks recursive doubling for the size: the
-  recursive-doubling allreduce, which runs one compiled step per round.
+  (tcp), where ``auto`` picks recursive doubling or halving-doubling for
+  the size: that allreduce, which runs one compiled step per round (per
+  reduce-scatter round in halving-doubling).
 
 Both run through ``Executor.inline``: the same sequence numbers, stats,
 trace and poisoning as ``Executor.submit``, without the general path's
@@ -25,6 +26,7 @@ import numpy as np
 from ..algorithms._common import OPS, Workspace, check_op
 from ..algorithms._window_plan import PLAIN
 from ..algorithms.direct import VARIANT_NAMES, hot_allreduce, hot_variant
+from ..algorithms.halving_doubling import halving_doubling_allreduce
 from ..algorithms.recursive_doubling import recursive_doubling_allreduce
 from ..transport.base import Transport
 from .buffers import HOT_DTYPES
@@ -34,7 +36,11 @@ __all__ = ["GENERAL", "fast_allreduce", "stepped"]
 #: ``fast_allreduce``'s answer for a call it does not take.
 GENERAL: Any = object()
 
-_RD_NAME = "recursive_doubling allreduce"  # the general path's operation name (``f"{algo} allreduce"``)
+#: The stepped algorithms by name: the general path's operation name (``f"{algo} allreduce"``) and the function.
+_STEPPED: dict[str, tuple[str, Any]] = {
+    "recursive_doubling": ("recursive_doubling allreduce", recursive_doubling_allreduce),
+    "halving_doubling": ("halving_doubling allreduce", halving_doubling_allreduce),
+}
 _RD_OPS = ("mean", "sum")
 
 
@@ -58,14 +64,18 @@ def fast_allreduce(pg: Any, buf: Any, op: str, algorithm: str, check_finite: boo
         return pg._exec.inline(VARIANT_NAMES[variant], hot_allreduce, (
             pg.transport, buf, op if op in OPS else check_op(op), check_finite, limit, pg._ws, pg.kernel_backend,
             variant), buf.nbytes)
-    if pg._stepped and op in _RD_OPS and not (wire_dtype or deterministic) \
-            and pg._pick("auto", buf.nbytes) == "recursive_doubling":
-        return pg._exec.inline(_RD_NAME, _rd, (pg.transport, buf, op, check_finite, limit, pg._ws,
+    if pg._stepped and op in _RD_OPS and not (wire_dtype or deterministic):
+        algo = pg._pick("auto", buf.nbytes)
+        if algo in _STEPPED:
+            name, fn = _STEPPED[algo]
+            return pg._exec.inline(name, _rd, (fn, pg.transport, buf, op, check_finite, limit, pg._ws,
                                               pg.kernel_backend), buf.nbytes)
     return GENERAL
 
 
-def _rd(seq: int, transport: Transport, buf: np.ndarray, op: str, check_finite: bool, timeout: float,
+def _rd(seq: int, fn: Any, transport: Transport, buf: np.ndarray, op: str, check_finite: bool, timeout: float,
         workspace: Workspace, backend: str | None) -> np.ndarray:
-    return recursive_doubling_allreduce(transport, buf, op=op, check_finite=check_finite, seq=seq, timeout=timeout,
-                                        workspace=workspace, backend=backend)
+    """``fn`` (a stepped allreduce) on ``buf`` as sequence number ``seq``."""
+    out: np.ndarray = fn(transport, buf, op=op, check_finite=check_finite, seq=seq, timeout=timeout,
+                         workspace=workspace, backend=backend)
+    return out

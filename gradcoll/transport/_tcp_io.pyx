@@ -400,7 +400,7 @@ cdef inline Py_ssize_t _first_bad(const uint8_t* a, Py_ssize_t lo, Py_ssize_t hi
 
 def exchange(int fd, int wake, cnp.ndarray acc, cnp.ndarray tmp, uint32_t tag, uint64_t sseq, uint64_t rseq,
              double spin, double timeout, double divisor, bint check_input, bint check, Py_ssize_t ahead,
-             uint8_t[::1] ring, cnp.ndarray src=None):
+             uint8_t[::1] ring, cnp.ndarray src=None, bint copy=False):
     """One exchange-and-reduce with the peer on ``fd``: ``acc`` out (frame ``sseq``), ``tmp`` in (frame ``rseq``),
     and ``acc += tmp`` (divided by ``divisor``) with the finite check when ``check``.
 
@@ -426,7 +426,10 @@ def exchange(int fd, int wake, cnp.ndarray acc, cnp.ndarray tmp, uint32_t tag, u
     which sends one part of the buffer and adds the peer's into another.
     The received elements are then reduced as soon as they arrive, and
     ``check_input`` also checks each piece of ``acc`` just before adding
-    into it (both are this rank's input in such a round).
+    into it (both are this rank's input in such a round). With ``copy``
+    (and a ``src``) nothing is reduced or checked: the peer's payload goes
+    straight into ``acc`` (an allgather round; ``tmp`` is not used, ``ring``
+    neither) and the outcome is ``DONE`` once both frames moved.
 
     Returns ``(outcome, sent, received, send_errno, recv_errno, eof, header,
     reduced, finite, bad_input)``: the outcome (``DONE``, ``NONFINITE``, ``BAD_INPUT`` or
@@ -449,6 +452,8 @@ def exchange(int fd, int wake, cnp.ndarray acc, cnp.ndarray tmp, uint32_t tag, u
             or not cnp.PyArray_ISWRITEABLE(tmp):
         raise ValueError("exchange takes two writeable C-contiguous float32 or float64 arrays of one size")
     cdef bint same = src is None or src is acc
+    if same and copy:
+        raise ValueError("exchange copies into the accumulator only what it receives for another array it sends")
     if same:
         src = acc
     elif cnp.PyArray_TYPE(src) != cnp.PyArray_TYPE(acc) or not cnp.PyArray_IS_C_CONTIGUOUS(src):
@@ -484,7 +489,7 @@ def exchange(int fd, int wake, cnp.ndarray acc, cnp.ndarray tmp, uint32_t tag, u
         while True:
             before = soff
             lim = roff + ahead if roff > HDR else HDR + ahead
-            if lim > stotal or roff >= total:  # (a longer send than receive goes on once the receive is done)
+            if lim > stotal or roff >= total or copy:  # (a longer send than receive goes on once it is done)
                 lim = stotal
             if chk < sm:  # the input's next piece, checked just before the socket copies it
                 upto = (lim - HDR + item - 1) // item
@@ -503,7 +508,10 @@ def exchange(int fd, int wake, cnp.ndarray acc, cnp.ndarray tmp, uint32_t tag, u
                 break
             while roff < total:  # everything already here, the header checked once it is complete
                 before = roff
-                roff = _pull_ring(fd, rh, rg, rsize, roff, total, red * item + rsize, &rerr, &eof)
+                if copy:
+                    roff = _move(fd, rh, a, roff, total, False, &rerr, &eof)
+                else:
+                    roff = _pull_ring(fd, rh, rg, rsize, roff, total, red * item + rsize, &rerr, &eof)
                 moved = moved or roff > before
                 if not (before < HDR <= roff):
                     break  # in whole, or nothing more to read now, or an error, or the end of the stream
@@ -511,6 +519,9 @@ def exchange(int fd, int wake, cnp.ndarray acc, cnp.ndarray tmp, uint32_t tag, u
                     bad = 1
                     break
             if rerr or eof or bad:
+                break
+            if soff == stotal and roff == total and copy:
+                outcome = X_DONE
                 break
             if soff == stotal and roff == total:
                 if check_acc and bad_i < 0 and not _finite(a, red, m, is64):
@@ -525,7 +536,7 @@ def exchange(int fd, int wake, cnp.ndarray acc, cnp.ndarray tmp, uint32_t tag, u
             ready_elems = ((soff if same and soff < roff else roff) - HDR) // item
             pay = roff - HDR if roff > HDR else 0
             floor_b = red * item
-            if ready_elems > red and (ready_elems - red >= REDUCE_STEP or pay - floor_b >= rsize):
+            if not copy and ready_elems > red and (ready_elems - red >= REDUCE_STEP or pay - floor_b >= rsize):
                 # sent (when the accumulator is what is sent) and received: reduce it while the sockets work (now,
                 # when the ring is full)
                 if check_acc and bad_i < 0 and not _finite(a, red, ready_elems, is64):
@@ -537,7 +548,7 @@ def exchange(int fd, int wake, cnp.ndarray acc, cnp.ndarray tmp, uint32_t tag, u
             if moved:
                 continue
             pfd[0].fd = fd
-            pfd[0].events = (POLLIN_ if roff < total and (roff < HDR or pay - floor_b < rsize) else 0) \
+            pfd[0].events = (POLLIN_ if roff < total and (copy or roff < HDR or pay - floor_b < rsize) else 0) \
                 | (POLLOUT_ if soff < lim else 0)
             pfd[0].revents = 0
             pfd[1].fd = wake
@@ -555,7 +566,7 @@ def exchange(int fd, int wake, cnp.ndarray acc, cnp.ndarray tmp, uint32_t tag, u
                 ready = poll(pfd, 2, ms)
             if ready > 0 and pfd[1].revents:
                 break  # another thread queued work: the engine drives from here
-    if outcome == X_STOPPED and roff > HDR:
+    if outcome == X_STOPPED and roff > HDR and not copy:
         _spill(rg, rsize, b, red * item, roff - HDR)  # what the engine carries on from: tmp holds it
     return (outcome, soff, roff, serr, rerr, bool(eof),
             (<bytes>(<char*>rh)[:min(roff, HDR)]) if outcome == X_STOPPED and roff else None, red, bool(fin),

@@ -136,19 +136,21 @@ class TcpTransport(FramedTransport):
     def exchange_reduce(self, peer: int, acc: np.ndarray, tmp: np.ndarray, tag: int, timeout: float | None,
                         divisor: float, check_input: bool, check: bool,
                         found: list[tuple[int, float]] | None = None, send: np.ndarray | None = None,
-                        at: tuple[int, int] = (0, 0)) -> int:
+                        at: tuple[int, int] = (0, 0), copy: bool = False) -> int:
         """``sendrecv(peer, acc, peer, tmp)`` then ``acc += tmp`` (``/ divisor``), in one compiled step where it can.
 
         An outcome of ``gradcoll.transport.tcp_fast`` (``DECLINED``: nothing
         moved, run the general path). ``found`` receives ``(index, value)``
         when ``check_input`` found ``acc`` not finite after its frame started.
         ``send``: send this array instead of ``acc`` (a recursive-halving
-        round; ``at``: where it and ``acc`` start in the caller's buffer).
+        round; ``at``: where it and ``acc`` start in the caller's buffer);
+        with ``copy``, receive into ``acc`` and reduce nothing (an allgather
+        round).
         """
         if _IO is None:
             return fast.DECLINED
         return fast.exchange_reduce(self, _IO, peer, acc, tmp, tag, timeout, divisor, check_input, check, found,
-                                    send, at)
+                                    send, at, copy)
 
     # -- waiting ---------------------------------------------------------
     def _before_idle(self) -> None:

@@ -72,7 +72,7 @@ RING_BYTES = 2 * PIECE_BYTES
 
 #: ``exchange_reduce``'s outcomes.
 DECLINED = -1  # nothing moved: the caller runs its general path
-MOVED = 0  # both frames moved through the engine, nothing reduced: the caller reduces (not returned today)
+MOVED = 0  # both frames moved, nothing reduced (a copy: the caller reduces nothing)
 REDUCED = 1  # moved and reduced; the result is finite (or was not checked)
 NONFINITE = 2  # moved and reduced; the result is not finite, marked with a NaN at element 0
 
@@ -82,7 +82,7 @@ _HDR = fr.HEADER_SIZE
 def exchange_reduce(t: Any, io: ModuleType, peer: int, acc: np.ndarray, tmp: np.ndarray, tag: int,
                     timeout: float | None, divisor: float, check_input: bool, check: bool,
                     found: list[tuple[int, float]] | None = None, send: np.ndarray | None = None,
-                    at: tuple[int, int] = (0, 0)) -> int:
+                    at: tuple[int, int] = (0, 0), copy: bool = False) -> int:
     """Exchange ``acc`` for the peer's frame in ``tmp`` and reduce it into ``acc`` (see the module docstring).
 
     ``t`` is a ``TcpTransport`` (which imports this module), ``io`` its
@@ -99,6 +99,9 @@ def exchange_reduce(t: Any, io: ModuleType, peer: int, acc: np.ndarray, tmp: np.
     ``acc += tmp``). ``check_input`` then checks ``send`` before the socket
     takes it and ``acc`` before adding into it; ``at`` is where ``send`` and
     ``acc`` start in the caller's buffer, for the index put in ``found``.
+    ``copy`` (with ``send``): ``sendrecv(peer, send, peer, acc)`` and
+    nothing else (an allgather round): MOVED once both frames moved
+    (``tmp``, ``divisor`` and the checks are not used).
     """
     if type(peer) is not int or not 0 <= peer < t.size or peer == t.rank:
         t._check_peer(peer)
@@ -119,7 +122,7 @@ def exchange_reduce(t: Any, io: ModuleType, peer: int, acc: np.ndarray, tmp: np.
     try:
         out, sent, got, serr, rerr, eof, hdr, red, fin, bad = io.exchange(
             link.fd, t._wake_fd, acc, tmp, tag, sseq, rseq, t._spin, -1.0 if limit is None else limit, divisor,
-            check_input, check, PIECE_BYTES, _ring(t), src)
+            check_input and not copy, check, PIECE_BYTES, _ring(t), src, copy)
     except BaseException:  # refused its arrays: nothing moved
         _release(t, link, sseq, rseq)
         raise
@@ -130,9 +133,11 @@ def exchange_reduce(t: Any, io: ModuleType, peer: int, acc: np.ndarray, tmp: np.
         found.append((at[1 if bad[2] else 0] + bad[0], bad[1]))
     if out != io.STOPPED:
         _release(t, link, None, rseq + 1)
-        return REDUCED if out == io.DONE else NONFINITE
-    ops = _adopt(t, link, src, tmp, tag, sseq, rseq, sent, got, serr, rerr, eof, hdr)
+        return MOVED if copy else REDUCED if out == io.DONE else NONFINITE
+    ops = _adopt(t, link, src, acc if copy else tmp, tag, sseq, rseq, sent, got, serr, rerr, eof, hdr)
     t._wait(ops, None if limit is None else max(0.0, limit - (time.monotonic() - started)))
+    if copy:  # the engine received the rest into acc itself
+        return MOVED
     if check_input and src is not acc and bad is None and found is not None:  # the part of acc not yet checked
         rest = np.flatnonzero(~np.isfinite(acc[red:]))
         if rest.size:

@@ -201,3 +201,47 @@ def test_a_send_array_overlapping_the_accumulator_is_refused_before_anything_mov
         t.exchange_reduce(1, buf[2:], np.empty(8, np.float32), TAG, 5.0, 1.0, False, True, [], buf[:5], (0, 2))
     t.send(1, b"abc", tag=7)  # nothing was sent and the seqs are where they were
     assert peer.recv(64) == fr.pack_header(0, 7, 3) + b"abc"
+
+
+@needs_io
+@pytest.mark.parametrize("sent,got", [(5, 4), (4, 5), (0, 3), (3, 0), (300_001, 300_000)])
+def test_an_allgather_step_sends_one_part_and_receives_another_in_place(raw, sent, got) -> None:
+    t, peer = raw
+    buf = np.arange(sent + got, dtype=np.float32)
+    theirs = np.full(got, -1.5, np.float32)
+    out: list[Any] = []
+    th = threading.Thread(target=lambda: out.append(t.exchange_reduce(
+        1, buf[sent:], buf[sent:], TAG, 5.0, 1.0, False, True, [], buf[:sent], (0, sent), True)))
+    th.start()
+    peer.sendall(_frame(0, theirs))
+    assert _read(peer, 24 + 4 * sent) == _frame(0, np.arange(sent, dtype=np.float32))
+    th.join(10)
+    assert out == [tcp_fast.MOVED]  # moved, nothing to reduce
+    assert (buf[:sent] == np.arange(sent)).all() and (buf[sent:] == -1.5).all()
+
+
+@needs_io
+def test_an_allgather_step_stopped_by_another_thread_receives_the_rest_in_place(raw) -> None:
+    t, peer = raw
+    buf = np.arange(8, dtype=np.float32)
+    theirs = _frame(0, np.full(5, 9.0, np.float32))
+    peer.sendall(theirs[:30])  # the header and part of the payload: there before the step starts
+    out: list[Any] = []
+    th = threading.Thread(target=lambda: out.append(t.exchange_reduce(
+        1, buf[3:], buf[3:], TAG, 5.0, 1.0, False, True, [], buf[:3], (0, 3), True)))
+    th.start()
+    assert _read(peer, 24 + 12) == _frame(0, np.arange(3, dtype=np.float32))
+    req = t.isend(1, b"user", tag=9)  # wakes the step: the engine finishes the receive into buf itself
+    assert req.wait(5) == 4
+    assert _read(peer, fr.HEADER_SIZE + 4) == fr.pack_header(1, 9, 4) + b"user"
+    peer.sendall(theirs[30:])
+    th.join(10)
+    assert out == [tcp_fast.MOVED] and buf.tolist() == [0.0, 1.0, 2.0] + [9.0] * 5
+
+
+@needs_io
+def test_an_allgather_step_into_the_array_it_sends_is_refused(raw) -> None:
+    t, _ = raw
+    buf = np.zeros(4, np.float32)
+    with pytest.raises(ValueError, match="another array"):
+        t.exchange_reduce(1, buf, buf, TAG, 5.0, 1.0, False, True, [], None, (0, 0), True)

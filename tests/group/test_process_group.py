@@ -304,10 +304,10 @@ def test_the_fast_path_takes_the_deterministic_and_wire_variants_with_the_genera
 
 
 @pytest.mark.timeout(120)
-@pytest.mark.parametrize("n", [2, 4])
-def test_the_tcp_fast_path_gives_what_the_general_path_gives(n: int, monkeypatch) -> None:
-    """A power-of-two group over tcp sends the plain calls ``auto`` gives recursive doubling straight to it
-    (``gradcoll.group.fastpath``): the same bits, seqs, stats and poisoning as the general path."""
+@pytest.mark.parametrize("n,count", [(2, 1000), (4, 1000), (4, 300_000)])
+def test_the_tcp_fast_path_gives_what_the_general_path_gives(n: int, count: int, monkeypatch) -> None:
+    """A power-of-two group over tcp sends the plain calls ``auto`` gives recursive doubling or halving-doubling
+    straight to it (``gradcoll.group.fastpath``): the same bits, seqs, stats and poisoning as the general path."""
     from gradcoll.group import fastpath
     from gradcoll.testing import threaded_group
     from gradcoll.transport import tcp
@@ -321,15 +321,17 @@ def test_the_tcp_fast_path_gives_what_the_general_path_gives(n: int, monkeypatch
 
     monkeypatch.setattr(fastpath, "_rd", spy)
     groups = [ProcessGroup(t) for t in threaded_group(tcp.create, n, timeout=20)]
+    algos = {groups[0]._pick("auto", count * 4), groups[0]._pick("auto", count * 8)}
+    assert algos == {"recursive_doubling" if count < 100_000 else "halving_doubling"}  # the model's choice
 
     def fn(r: int) -> list[Any]:
         g, out = groups[r], []
         rng = np.random.default_rng(r)
         for dt in (np.float32, np.float64):
-            a = rng.standard_normal(1000).astype(dt)
+            a = rng.standard_normal(count).astype(dt)
             b = a.copy()
             g.allreduce(a)                                        # the fast path
-            g.allreduce(b, algorithm="recursive_doubling")        # the general path, the same algorithm
+            g.allreduce(b, algorithm=algos.copy().pop())          # the general path, the same algorithm
             out.append(a.tobytes() == b.tobytes())
         m = np.full(5, float(r))
         g.allreduce(m, op="max")                                  # another op: the general path
@@ -337,7 +339,7 @@ def test_the_tcp_fast_path_gives_what_the_general_path_gives(n: int, monkeypatch
         w = g.allreduce(np.ones(3, np.float32), async_op=True)    # async: the general path
         out.append(w.wait(10).tolist() == [1.0] * 3)
         out.append((g.seq, g.stats().ops["allreduce"].count))
-        bad = np.ones(10, np.float32)
+        bad = np.ones(count, np.float32)
         if r == n - 1:
             bad[4] = np.nan
         with pytest.raises(NonFiniteError, match=f"rank {n - 1}"):
