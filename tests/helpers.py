@@ -145,6 +145,31 @@ def _mpi_main(scenario: str) -> None:
         assert (out == other).all()
         t.close()
         print(f"rank {comm.rank} OK specifics", flush=True)
+    elif scenario == "allreduce":  # every algorithm over links, through the handshake of a transport without lenient tags
+        import numpy as np
+
+        from gradcoll.algorithms import ALLREDUCE
+        from gradcoll.errors import NonFiniteError
+
+        t = mpi.create(None, comm.rank, comm.size, timeout=30)
+        r, n = comm.rank, comm.size
+        ran = []
+        for seq, algo in enumerate(("ring", "star", "recursive_doubling", "halving_doubling")):
+            for count in (0, 1, n + 1, 70_001):
+                b = np.arange(count, dtype=np.float32) % 7 + r  # small integers: exact in any order
+                ALLREDUCE[algo](t, b, op="sum", seq=10 * seq + count % 10)
+                assert (b == n * (np.arange(count) % 7) + n * (n - 1) / 2).all(), (algo, count)
+            bad = np.ones(1000, np.float32)
+            if r == 2:
+                bad[3] = np.nan
+            try:
+                ALLREDUCE[algo](t, bad, seq=10 * seq + 9)
+                raise AssertionError(f"{algo}: no NonFiniteError")
+            except NonFiniteError as e:
+                assert (e.contributor, e.index) == (2, 3), (algo, str(e))
+            ran.append(algo)
+        t.close()
+        print(f"rank {r} OK {len(ran)} algorithms: {' '.join(ran)}", flush=True)
     elif scenario == "bench":
         import time
 

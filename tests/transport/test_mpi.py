@@ -29,12 +29,12 @@ def test_import_is_lazy() -> None:
     assert "MPI" not in vars(mpi)  # importing gradcoll.transport.mpi never initialises MPI
 
 
-def _mpirun(scenario: str) -> str:
-    """Run ``scenario`` of tests/helpers.py on 2 MPI ranks (skip without MPI); return its output."""
+def _mpirun(scenario: str, n: int = 2) -> str:
+    """Run ``scenario`` of tests/helpers.py on ``n`` MPI ranks (skip without MPI); return its output."""
     reason = mpi_skip_reason()
     if reason:
         pytest.skip(reason)
-    proc = run_mpi(scenario, n=2, timeout=90)
+    proc = run_mpi(scenario, n=n, timeout=90)
     assert proc.returncode == 0, proc.stdout + proc.stderr
     return proc.stdout
 
@@ -53,6 +53,14 @@ def test_mpi_conformance() -> None:
     ran = reports["0"]
     assert {"ordering_and_tags", "sendrecv_duplex", "tag_mismatch", "timeouts", "peer_closes",
             "cancel_unstarted_recv", "cancel_finished", "note_wait"} <= set(ran)
+
+
+@pytest.mark.mpi
+def test_every_allreduce_over_links_gives_exact_sums_and_names_a_bad_input_over_mpi() -> None:
+    # Four ranks: halving-doubling's two rounds, recursive doubling's two, the handshake before each call.
+    reports = mpi_reports(_mpirun("allreduce", n=4), "algorithms")
+    assert sorted(reports) == ["0", "1", "2", "3"], reports
+    assert all(v == ["ring", "star", "recursive_doubling", "halving_doubling"] for v in reports.values()), reports
 
 
 def test_skip_message_names_the_install() -> None:
