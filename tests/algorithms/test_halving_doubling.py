@@ -97,6 +97,22 @@ def test_the_compiled_rounds_give_the_general_paths_bits(worlds, outcomes, monke
 
 
 @needs_io
+def test_halves_larger_than_the_receive_ring_wrap_it_with_the_general_paths_bits(worlds, outcomes, monkeypatch) -> None:
+    ts = worlds(2)
+    m = 2 * tcp_fast.RING_BYTES // 4 + 2 * PIECE + 7  # each half is larger than the ring the peer's bytes arrive in
+    rng = np.random.default_rng(5)
+    data = [rng.standard_normal(m).astype(np.float32) for _ in range(2)]
+    stepped = [d.copy() for d in data]
+    assert allreduce_all(ts, stepped, seq=5) == [None, None]
+    assert outcomes.count(REDUCED) == 2
+    monkeypatch.setattr(tcp, "_IO", None)
+    general = [d.copy() for d in data]
+    assert allreduce_all(ts, general, seq=6) == [None, None]
+    assert all(a.tobytes() == general[0].tobytes() for a in stepped + general)
+    np.testing.assert_allclose(general[0], (data[0] + data[1]) / 2, rtol=1e-6)
+
+
+@needs_io
 @pytest.mark.parametrize("where", ["first piece, sent", "sent", "kept", "kept, last"])
 def test_a_non_finite_input_names_its_rank_and_element_wherever_it_sits(worlds, outcomes, where) -> None:
     ts = worlds(4)
@@ -245,3 +261,29 @@ def test_an_allgather_step_into_the_array_it_sends_is_refused(raw) -> None:
     buf = np.zeros(4, np.float32)
     with pytest.raises(ValueError, match="another array"):
         t.exchange_reduce(1, buf, buf, TAG, 5.0, 1.0, False, True, [], None, (0, 0), True)
+
+
+@needs_io
+def test_a_step_stopped_after_part_of_the_add_checks_and_adds_the_rest(raw, monkeypatch) -> None:
+    t, peer = raw
+    rest = step_tests._spy_rest(monkeypatch)  # where the engine's side of the add starts
+    m, first = 40_000, 30_000
+    buf = np.ones(2 * m, np.float32)
+    buf[m + 35_000] = np.inf  # in the part of acc not yet added when the step stops: checked on the engine's side
+    theirs = _frame(0, np.full(m, 2.0, np.float32))
+    peer.sendall(theirs[: 24 + 4 * first])  # there before the step starts: added in its first pass
+    found: list[tuple[int, float]] = []
+    out: list[Any] = []
+    th = threading.Thread(target=lambda: out.append(t.exchange_reduce(
+        1, buf[m:], np.empty(m, np.float32), TAG, 5.0, 1.0, True, True, found, buf[:m], (0, m))))
+    th.start()
+    assert _read(peer, 24 + 4 * m) == _frame(0, np.ones(m, np.float32))
+    req = t.isend(1, b"user", tag=9)  # wakes the step: the engine finishes the frames
+    assert req.wait(5) == 4
+    assert _read(peer, fr.HEADER_SIZE + 4) == fr.pack_header(1, 9, 4) + b"user"
+    peer.sendall(theirs[24 + 4 * first :])
+    th.join(10)
+    assert rest == [first]  # stopped: the step had added the first part, the rest was added after the engine's
+    assert out == [NONFINITE] and found == [(m + 35_000, np.inf)]
+    got = buf[m:]  # the sum's marker at the first element, the infinity where it was, 1 + 2 elsewhere
+    assert np.isnan(got[0]) and np.isinf(got[35_000]) and (np.delete(got, [0, 35_000]) == 3.0).all()
