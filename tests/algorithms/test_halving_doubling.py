@@ -201,9 +201,7 @@ def test_a_step_stopped_by_another_thread_hands_the_send_array_to_the_engine(raw
         t.exchange_reduce(1, acc, np.empty_like(acc), TAG, 5.0, 1.0, False, True, [], src, (0, 5))))
     th.start()
     assert _read(peer, 24 + 20) == _frame(0, np.arange(5, dtype=np.float32))
-    req = t.isend(1, b"user", tag=9)  # wakes the step, which still waits for the peer: the engine finishes it
-    assert req.wait(5) == 4
-    assert _read(peer, fr.HEADER_SIZE + 4) == fr.pack_header(1, 9, 4) + b"user"
+    step_tests.wake_with_a_send(t, peer)  # wakes the step, which still waits for the peer: the engine finishes it
     peer.sendall(_frame(0, np.full(7, 2.0, np.float32)))
     th.join(10)
     assert got == [REDUCED] and (buf[5:] == np.arange(5, 12) + 2.0).all() and (buf[:5] == np.arange(5)).all()
@@ -247,9 +245,7 @@ def test_an_allgather_step_stopped_by_another_thread_receives_the_rest_in_place(
         1, buf[3:], buf[3:], TAG, 5.0, 1.0, False, True, [], buf[:3], (0, 3), True)))
     th.start()
     assert _read(peer, 24 + 12) == _frame(0, np.arange(3, dtype=np.float32))
-    req = t.isend(1, b"user", tag=9)  # wakes the step: the engine finishes the receive into buf itself
-    assert req.wait(5) == 4
-    assert _read(peer, fr.HEADER_SIZE + 4) == fr.pack_header(1, 9, 4) + b"user"
+    step_tests.wake_with_a_send(t, peer)  # wakes the step: the engine finishes the receive into buf itself
     peer.sendall(theirs[30:])
     th.join(10)
     assert out == [tcp_fast.MOVED] and buf.tolist() == [0.0, 1.0, 2.0] + [9.0] * 5
@@ -278,9 +274,7 @@ def test_a_step_stopped_after_part_of_the_add_checks_and_adds_the_rest(raw, monk
         1, buf[m:], np.empty(m, np.float32), TAG, 5.0, 1.0, True, True, found, buf[:m], (0, m))))
     th.start()
     assert _read(peer, 24 + 4 * m) == _frame(0, np.ones(m, np.float32))
-    req = t.isend(1, b"user", tag=9)  # wakes the step: the engine finishes the frames
-    assert req.wait(5) == 4
-    assert _read(peer, fr.HEADER_SIZE + 4) == fr.pack_header(1, 9, 4) + b"user"
+    step_tests.wake_with_a_send(t, peer)  # wakes the step: the engine finishes the frames
     peer.sendall(theirs[24 + 4 * first :])
     th.join(10)
     assert rest == [first]  # stopped: the step had added the first part, the rest was added after the engine's

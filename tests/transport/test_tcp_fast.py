@@ -203,6 +203,13 @@ def _spy_rest(monkeypatch) -> list[int]:
     return rest
 
 
+def wake_with_a_send(t: Any, peer: socket.socket) -> None:
+    """Another thread's send wakes a running step (the engine finishes its frames); the send goes out whole."""
+    req = t.isend(1, b"user", tag=9)
+    assert req.wait(5) == 4
+    assert _read(peer, fr.HEADER_SIZE + 4) == fr.pack_header(1, 9, 4) + b"user"
+
+
 @pytest.mark.parametrize("m,first", [(40000, 30000), (300000, 250000)])  # the second wraps the receive ring
 def test_a_step_stopped_after_reducing_part_of_the_frame_reduces_only_the_rest(monkeypatch, m, first) -> None:
     monkeypatch.setattr(tcp_fast, "PIECE_BYTES", 256 << 10)  # a 512 KiB ring, which the second case wraps
@@ -217,9 +224,7 @@ def test_a_step_stopped_after_reducing_part_of_the_frame_reduces_only_the_rest(m
         th = threading.Thread(target=lambda: result.append(_step(t, acc)))
         th.start()
         assert _read(peer, 24 + 4 * m) == _frame(0, np.ones(m, np.float32))
-        req = t.isend(1, b"user", tag=9)  # wakes the step: the engine finishes the frames
-        assert req.wait(5) == 4
-        assert _read(peer, fr.HEADER_SIZE + 4) == fr.pack_header(1, 9, 4) + b"user"
+        wake_with_a_send(t, peer)
         peer.sendall(theirs[24 + 4 * first :])
         th.join(10)
         assert result == [REDUCED] and (acc == 3.0).all()  # the first part reduced once, the rest after
