@@ -110,14 +110,19 @@ cdef inline double _now() noexcept nogil:
     return ts.tv_sec + ts.tv_nsec * 1e-9
 
 
-cdef inline void _frame_iov(msghdr* msg, iovec* iov, uint8_t* h, uint8_t* p, Py_ssize_t off,
-                            Py_ssize_t total) noexcept nogil:
-    """Point ``msg`` at what is left of the frame from byte ``off``: header and payload, or payload alone."""
+cdef inline void _no_extras(msghdr* msg) noexcept nogil:
+    """A ``msghdr`` with no address, no control data and no flags (the iovecs are set by the caller)."""
     msg.msg_name = NULL
     msg.msg_namelen = 0
     msg.msg_control = NULL
     msg.msg_controllen = 0
     msg.msg_flags = 0
+
+
+cdef inline void _frame_iov(msghdr* msg, iovec* iov, uint8_t* h, uint8_t* p, Py_ssize_t off,
+                            Py_ssize_t total) noexcept nogil:
+    """Point ``msg`` at what is left of the frame from byte ``off``: header and payload, or payload alone."""
+    _no_extras(msg)
     if off < HDR:
         iov[0].iov_base = <void*>(h + off)
         iov[0].iov_len = HDR - off
@@ -170,18 +175,120 @@ cdef inline Py_ssize_t _move(int fd, uint8_t* h, uint8_t* p, Py_ssize_t off, Py_
     return off
 
 
-def push(int fd, const uint8_t[::1] hdr, const uint8_t[::1] payload, Py_ssize_t off):
+cdef inline int _finite(const uint8_t* a, Py_ssize_t lo, Py_ssize_t hi, int is64) noexcept nogil:
+    if hi <= lo:
+        return 1
+    return gc_finite_d(<const double*>a + lo, hi - lo) if is64 else gc_finite_f(<const float*>a + lo, hi - lo)
+
+
+cdef inline Py_ssize_t _first_bad(const uint8_t* a, Py_ssize_t lo, Py_ssize_t hi, int is64) noexcept nogil:
+    """The first non-finite element of ``a[lo:hi]`` (which ``_finite`` found to hold one)."""
+    cdef Py_ssize_t i
+    for i in range(lo, hi):
+        if not isfinite((<const double*>a)[i] if is64 else (<const float*>a)[i]):
+            return i
+    return hi - 1
+
+
+cdef inline bint _aliased(const uint8_t* p) noexcept nogil:
+    """Whether the kernel's copy of a payload at ``p`` into the socket's buffer pages is the slow one: the bytes
+    land ``24 + i`` (mod 4096) into those pages in the usual case (the header first), and when that is 1-31 bytes
+    past the source's page offset, AMD Zen cores run the copy's ``rep movsb`` 2-3x slower (4K aliasing: each
+    load seems to depend on a store just made; ``benches/bench_page_offset.py``). 1-63 is taken, for margin.
+    A large NumPy array starts 16 bytes into a page: 8 bytes past."""
+    cdef size_t d = (<size_t>HDR - (<size_t>p & 4095)) & 4095
+    return 0 < d < 64
+
+
+cdef struct Checked:
+    # the input check of a staged send: elements [0, done) of the payload are checked; the first bad one
+    Py_ssize_t done, size, item, bad_i
+    int is64
+    double bad_v
+
+
+cdef inline Py_ssize_t _push_staged(int fd, uint8_t* h, const uint8_t* p, Py_ssize_t off, Py_ssize_t total,
+                                    uint8_t* st, Py_ssize_t ssize, Py_ssize_t* st_lo, Py_ssize_t* st_hi,
+                                    int* err, Checked* ck) noexcept nogil:
+    """``_move``'s send, the payload copied through ``st`` (``ssize`` bytes, away from the aliasing) a piece at a
+    time: ``st`` holds payload bytes ``[st_lo, st_hi)``, refilled once they are sent. Bytes up to ``total`` only
+    are read from ``p``. ``ck`` (or NULL): the input check, run on each piece's elements as it is copied (they
+    are in cache then), before a byte of them is sent; a bad element is recorded and the frame still goes."""
+    cdef iovec iov[2]
+    cdef msghdr msg
+    cdef ssize_t n
+    cdef int how, cnt, eof = 0
+    cdef Py_ssize_t pay, k, e
+    _no_extras(&msg)
+    while off < total:
+        pay = off - HDR if off > HDR else 0
+        cnt = 0
+        if off < HDR:
+            iov[0].iov_base = <void*>(h + off)
+            iov[0].iov_len = HDR - off
+            cnt = 1
+        if total > HDR:
+            if pay >= st_hi[0] or pay < st_lo[0]:
+                k = total - HDR - pay
+                if k > ssize:
+                    k = ssize
+                memcpy(st, p + pay, k)
+                st_lo[0] = pay
+                st_hi[0] = pay + k
+                if ck != NULL and ck.done < ck.size:
+                    e = (pay + k + ck.item - 1) // ck.item  # the element the piece ends in, whole
+                    if e > ck.size:
+                        e = ck.size
+                    if e > ck.done and not _finite(p, ck.done, e, ck.is64):
+                        ck.bad_i = _first_bad(p, ck.done, e, ck.is64)
+                        ck.bad_v = (<double*>p)[ck.bad_i] if ck.is64 else (<float*>p)[ck.bad_i]
+                        e = ck.size  # the result is not finite: nothing more to find
+                    if e > ck.done:
+                        ck.done = e
+            k = st_hi[0] - pay
+            if k > total - HDR - pay:
+                k = total - HDR - pay
+            iov[cnt].iov_base = <void*>(st + (pay - st_lo[0]))
+            iov[cnt].iov_len = k
+            cnt += 1
+        msg.msg_iov = iov
+        msg.msg_iovlen = cnt
+        n = sendmsg(fd, &msg, MSG_DONTWAIT | MSG_NOSIGNAL)
+        how = _stopped(n, True, err, &eof)
+        if how == 1:
+            continue
+        if how == 2:
+            break
+        off += n
+    return off
+
+
+def push(int fd, const uint8_t[::1] hdr, const uint8_t[::1] payload, Py_ssize_t off, uint8_t[::1] stage=None):
     """Send header and payload from byte ``off`` (header first) until done or the socket is full.
 
-    Returns ``(off, err)``: the bytes sent so far and 0, or an errno.
+    ``stage``: a buffer of at least 4096 bytes away from the aliasing (``_aliased``) that a payload the kernel
+    would copy the slow way goes through. Returns ``(off, err)``: the bytes sent so far and 0, or an errno.
     """
-    cdef Py_ssize_t total = HDR + payload.shape[0]
+    cdef Py_ssize_t total = HDR + payload.shape[0], st_lo = 0, st_hi = 0
     cdef int err = 0, eof = 0
     cdef const uint8_t* h = &hdr[0]
     cdef const uint8_t* p = &payload[0] if payload.shape[0] else NULL
+    cdef uint8_t* stg = NULL
+    cdef Py_ssize_t stsize = 0
+    if stage is not None and stage.shape[0] >= 4096 and p != NULL and _aliased(p):
+        stg = &stage[0]
+        stsize = stage.shape[0]
     with nogil:
-        off = _move(fd, <uint8_t*>h, <uint8_t*>p, off, total, True, &err, &eof)
+        if stg != NULL:
+            off = _push_staged(fd, <uint8_t*>h, p, off, total, stg, stsize, &st_lo, &st_hi, &err, NULL)
+        else:
+            off = _move(fd, <uint8_t*>h, <uint8_t*>p, off, total, True, &err, &eof)
     return off, err
+
+
+def aliased(Py_ssize_t address):
+    """Whether a send's payload at ``address`` goes through the staging buffer (``_aliased``)."""
+    return bool(_aliased(<const uint8_t*>address))
 
 
 def pull(int fd, uint8_t[::1] hdr, uint8_t[::1] payload, Py_ssize_t off):
@@ -334,11 +441,7 @@ cdef inline Py_ssize_t _pull_ring(int fd, uint8_t* h, uint8_t* ring, Py_ssize_t 
     cdef int how
     cdef Py_ssize_t pay, s, k
     cdef int cnt
-    msg.msg_name = NULL
-    msg.msg_namelen = 0
-    msg.msg_control = NULL
-    msg.msg_controllen = 0
-    msg.msg_flags = 0
+    _no_extras(&msg)
     if upto > total - HDR:
         upto = total - HDR
     while off < total:
@@ -383,24 +486,9 @@ cdef inline Py_ssize_t _pull_ring(int fd, uint8_t* h, uint8_t* ring, Py_ssize_t 
 #: Elements reduced at a time while the frames move (64 KiB of float32): the received bytes are still in cache,
 #: and the reduction fills the time the sockets make the call wait.
 cdef Py_ssize_t REDUCE_STEP = 16384
-cdef inline int _finite(const uint8_t* a, Py_ssize_t lo, Py_ssize_t hi, int is64) noexcept nogil:
-    if hi <= lo:
-        return 1
-    return gc_finite_d(<const double*>a + lo, hi - lo) if is64 else gc_finite_f(<const float*>a + lo, hi - lo)
-
-
-cdef inline Py_ssize_t _first_bad(const uint8_t* a, Py_ssize_t lo, Py_ssize_t hi, int is64) noexcept nogil:
-    """The first non-finite element of ``a[lo:hi]`` (which ``_finite`` found to hold one)."""
-    cdef Py_ssize_t i
-    for i in range(lo, hi):
-        if not isfinite((<const double*>a)[i] if is64 else (<const float*>a)[i]):
-            return i
-    return hi - 1
-
-
 def exchange(int fd, int wake, cnp.ndarray acc, cnp.ndarray tmp, uint32_t tag, uint64_t sseq, uint64_t rseq,
              double spin, double timeout, double divisor, bint check_input, bint check, Py_ssize_t ahead,
-             uint8_t[::1] ring, cnp.ndarray src=None, bint copy=False):
+             uint8_t[::1] ring, cnp.ndarray src=None, bint copy=False, uint8_t[::1] stage=None):
     """One exchange-and-reduce with the peer on ``fd``: ``acc`` out (frame ``sseq``), ``tmp`` in (frame ``rseq``),
     and ``acc += tmp`` (divided by ``divisor``) with the finite check when ``check``.
 
@@ -476,10 +564,17 @@ def exchange(int fd, int wake, cnp.ndarray acc, cnp.ndarray tmp, uint32_t tag, u
     if ahead < 4096 or rsize < 4096 or rsize % 8:
         raise ValueError("exchange runs the send at least 4096 bytes ahead and a ring of 8k >= 4096 bytes")
     cdef uint8_t* rg = &ring[0]
+    cdef uint8_t* stg = NULL
+    cdef Py_ssize_t stsize = 0, st_lo = 0, st_hi = 0
+    if stage is not None and stage.shape[0] >= 4096 and snbytes and _aliased(sp):
+        stg = &stage[0]
+        stsize = stage.shape[0]
+    cdef Checked stck
     if check_input and sm:
         chk = ahead // item if sm > ahead // item else sm
         if not _finite(sp, 0, chk, is64):
             return X_BAD_INPUT, 0, 0, 0, 0, False, None, 0, True, None
+    stck.done, stck.size, stck.item, stck.bad_i, stck.is64, stck.bad_v = chk, sm, item, -1, is64, 0.0
     _put_header(sh, tag, sseq, snbytes)
     mode = _finish(divisor, &f)
     with nogil:
@@ -491,7 +586,7 @@ def exchange(int fd, int wake, cnp.ndarray acc, cnp.ndarray tmp, uint32_t tag, u
             lim = roff + ahead if roff > HDR else HDR + ahead
             if lim > stotal or roff >= total or copy:  # (a longer send than receive goes on once it is done)
                 lim = stotal
-            if chk < sm:  # the input's next piece, checked just before the socket copies it
+            if chk < sm and stg == NULL:  # the input's next piece, checked just before the socket copies it
                 upto = (lim - HDR + item - 1) // item
                 if upto > sm:
                     upto = sm
@@ -502,7 +597,13 @@ def exchange(int fd, int wake, cnp.ndarray acc, cnp.ndarray tmp, uint32_t tag, u
                             bad_v = (<double*>sp)[bad_i] if is64 else (<float*>sp)[bad_i]
                         upto = sm  # the result is not finite: nothing more to find
                     chk = upto
-            soff = _move(fd, sh, sp, soff, lim, True, &serr, &eof)  # everything the socket takes now
+            if stg != NULL:  # everything the socket takes now (the input checked as it is staged)
+                soff = _push_staged(fd, sh, sp, soff, lim, stg, stsize, &st_lo, &st_hi, &serr,
+                                    &stck if chk < sm else NULL)
+                if stck.bad_i >= 0 and bad_i < 0:
+                    bad_i, bad_v = stck.bad_i, stck.bad_v
+            else:
+                soff = _move(fd, sh, sp, soff, lim, True, &serr, &eof)
             moved = soff > before
             if serr:
                 break

@@ -15,7 +15,8 @@ of the transport with ``poll`` (busy-polling for the first 50 us) until its
 own operation is done, so a ring's pending send keeps moving while the caller
 waits for the left neighbour, and two peers exchanging 64 MiB at once never
 deadlock. Receives land directly in the caller's buffer (``recvmsg_into`` /
-``recv_into``, no staging copy). The send, receive and wait loops run
+``recv_into``, no staging copy); a large send from a source the kernel would copy slowly, by its page
+offset, goes through a staging buffer (``tcp_fast.STAGE_BYTES``). The send, receive and wait loops run
 compiled and without the GIL where ``_tcp_io`` was built (same bytes on the
 wire); ``GRADCOLL_TCP_PURE_PYTHON=1`` or a missing extension runs them here. Links
 with a secret (tagged frames) or TLS run ``gradcoll.transport.tcp_secure``'s.
@@ -211,7 +212,8 @@ class TcpTransport(FramedTransport):
                 op.hdr = fr.pack_header(op.seq, op.tag, op.total)
             try:
                 if _IO is not None:  # every sendmsg until the frame is out or the socket is full, in C
-                    n, err = _IO.push(link.fd, op.hdr, op.view, op.off)
+                    n, err = _IO.push(link.fd, op.hdr, op.view, op.off,
+                                      fast.push_stage(self) if op.total >= fast.STAGE_MIN else None)
                     if err:
                         raise OSError(err, os.strerror(err))
                     n -= op.off

@@ -69,6 +69,19 @@ SMALL_BYTES = 1 << 40
 PIECE_BYTES = 1 << 20
 #: The ring the peer's payload arrives in, reused by every step: it stays in cache however large the frame.
 RING_BYTES = 2 * PIECE_BYTES
+#: Where the ring starts within a 4 KiB page. The kernel copies each received byte from the socket's pages into
+#: the ring; byte ``p`` of a payload sits at page offset ``24 + p`` (mod 4096) there in the usual case, after
+#: the header. On AMD Zen cores that copy runs 2-3x slower when its destination lies 1-31 bytes past its
+#: source's page offset (4K aliasing; docs/transports.md, "Page offsets of the kernel's copies"). Half a page
+#: away, the ring stays clear of it even when the payload starts elsewhere in the socket's pages.
+RING_PAGE_OFFSET = 2048
+#: The staging buffer of a send whose source the kernel would copy the slow way (the same aliasing, on the
+#: sending side: ``_tcp_io._aliased``; a large NumPy array is such a source): the payload goes through it, a
+#: piece at a time, copied by the C library's ``memcpy`` half a page away.
+STAGE_BYTES = 256 << 10
+#: Frames with a payload of at least this many bytes are offered the staging buffer (smaller ones are not
+#: worth a look).
+STAGE_MIN = 64 << 10
 
 #: ``exchange_reduce``'s outcomes.
 DECLINED = -1  # nothing moved: the caller runs its general path
@@ -122,7 +135,7 @@ def exchange_reduce(t: Any, io: ModuleType, peer: int, acc: np.ndarray, tmp: np.
     try:
         out, sent, got, serr, rerr, eof, hdr, red, fin, bad = io.exchange(
             link.fd, t._wake_fd, acc, tmp, tag, sseq, rseq, t._spin, -1.0 if limit is None else limit, divisor,
-            check_input and not copy, check, PIECE_BYTES, _ring(t), src, copy)
+            check_input and not copy, check, PIECE_BYTES, _ring(t), src, copy, _stage(t))
     except BaseException:  # refused its arrays: nothing moved
         _release(t, link, sseq, rseq)
         raise
@@ -149,8 +162,33 @@ def _ring(t: Any) -> np.ndarray:
     """The transport's receive ring for the step (``RING_BYTES``; one step runs at a time per transport)."""
     ring: np.ndarray | None = t.__dict__.get("_step_ring")
     if ring is None:
-        ring = t._step_ring = np.empty(RING_BYTES, np.uint8)
+        ring = t._step_ring = _page_placed(RING_BYTES)
     return ring
+
+
+def _stage(t: Any) -> np.ndarray:
+    """The transport's staging buffer for sends from an array the kernel copies slowly (``STAGE_BYTES``, at
+    ``RING_PAGE_OFFSET`` in its first page, as the ring)."""
+    stage: np.ndarray | None = t.__dict__.get("_step_stage")
+    if stage is None:
+        stage = t._step_stage = _page_placed(STAGE_BYTES)
+    return stage
+
+
+def push_stage(t: Any) -> np.ndarray:
+    """The staging buffer of the transport's frame sends (``_tcp_io.push``, always with the transport's lock held;
+    the step has its own, since another thread may send on another link while it runs)."""
+    stage: np.ndarray | None = t.__dict__.get("_push_stage")
+    if stage is None:
+        stage = t._push_stage = _page_placed(STAGE_BYTES)
+    return stage
+
+
+def _page_placed(nbytes: int) -> np.ndarray:
+    """``nbytes`` of uint8 starting ``RING_PAGE_OFFSET`` bytes into a 4 KiB page."""
+    raw = np.empty(nbytes + 4096, np.uint8)
+    k = (RING_PAGE_OFFSET - raw.ctypes.data) % 4096
+    return raw[k:k + nbytes]
 
 
 def _release(t: Any, link: Any, send_seq: int | None, recv_seq: int) -> None:

@@ -480,3 +480,57 @@ def test_a_step_stopped_with_received_bytes_it_could_not_reduce_hands_them_over(
     finally:
         t.close()
         peer.close()
+
+
+# -- sends through the staging buffer (sources the kernel would copy slowly: 4K aliasing) -------------------
+def at_page_offset(count: int, dtype: Any, offset: int) -> np.ndarray:
+    """An array of ``count`` elements starting ``offset`` bytes into a 4 KiB page."""
+    item = np.dtype(dtype).itemsize
+    raw = np.empty(count * item + 8192, np.uint8)
+    k = (offset - raw.ctypes.data) % 4096
+    out: np.ndarray = raw[k:k + count * item].view(dtype)
+    return out
+
+
+@pytest.mark.parametrize("offset,staged", [(16, True), (4080, True), (24, False), (2048, False), (40, False)])
+def test_which_sources_the_send_stages(offset, staged) -> None:
+    """The payload lands 24 bytes past a page start in the socket's pages: 1-63 bytes past its own page offset
+    is the slow copy (a large NumPy array starts 16 bytes into its page)."""
+    a = at_page_offset(8, np.float32, offset)
+    assert tcp._IO.aliased(a.ctypes.data) is staged
+    assert tcp._IO.aliased(np.empty(1 << 20, np.float32).ctypes.data) in (True, False)
+
+
+@pytest.mark.parametrize("offset", [16, 2048])
+@pytest.mark.parametrize("m", [1000, 300_001])  # the second: more than the stage holds, and partial sends
+def test_a_staged_step_puts_the_same_bytes_on_the_wire(offset, m) -> None:
+    t, peer = _pair(64 << 10, 4 << 20)
+    try:
+        acc = at_page_offset(m, np.float32, offset)
+        acc[:] = np.arange(m, dtype=np.float32) * np.float32(0.75) - 5
+        mine = acc.copy()
+        theirs = (np.arange(m, dtype=np.float32) % 977).astype(np.float32)
+        peer.sendall(_frame(0, theirs))
+        result: list[Any] = []
+        th = threading.Thread(target=lambda: result.append(_step(t, acc)))
+        th.start()
+        assert _read(peer, 24 + 4 * m) == _frame(0, mine)  # read slowly enough for the send to stop and go on
+        th.join(10)
+        assert result == [REDUCED] and acc.tobytes() == (mine + theirs).tobytes()
+    finally:
+        t.close()
+        peer.close()
+
+
+@pytest.mark.parametrize("offset", [16, 2048])
+def test_a_staged_frame_send_puts_the_same_bytes_on_the_wire(raw, offset) -> None:
+    t, peer = raw
+    m = 400_003
+    buf = at_page_offset(m, np.float32, offset)
+    buf[:] = np.arange(m, dtype=np.float32) * np.float32(-0.5)
+    got: list[bytes] = []
+    reader = threading.Thread(target=lambda: got.append(_read(peer, 24 + 4 * m)))
+    reader.start()
+    assert t.isend(1, buf, tag=7).wait(10) == 4 * m  # the socket takes part at a time: the send stops and goes on
+    reader.join(10)
+    assert got == [fr.pack_header(0, 7, 4 * m) + buf.tobytes()]
