@@ -80,8 +80,8 @@ RING_PAGE_OFFSET = 2048
 #: piece at a time, copied by the C library's ``memcpy`` half a page away.
 STAGE_BYTES = 256 << 10
 #: Frames with a payload of at least ``STAGE_MIN`` and at most ``STAGE_MAX`` bytes are offered the staging
-#: buffer. Smaller ones are not worth a look; larger ones do not stay in the cache, where the extra copy costs
-#: more than the slow one saves (measured on 2 ranks: 1.02-1.08x faster staged at 1-4 MiB, 0.94x at 16 MiB).
+#: buffer. Smaller ones are not worth a look; larger ones do not stay in the cache, where the extra copy cost
+#: more than the slow one saved (on 2 ranks at 16 MiB: docs/performance.md, "the page offset of a send").
 STAGE_MIN = 64 << 10
 STAGE_MAX = 8 << 20
 
