@@ -3,7 +3,8 @@
 Kernels are plain ``@njit`` functions compiled lazily on first use (or by
 ``warmup``) and cached on disk (``cache=True``). Each body is written once and
 compiled twice (``_twins``: each cached apart), serial and ``parallel=True``: ``prange`` is ``range`` in the
-serial one, and Numba splits the range into one contiguous piece per thread,
+serial one. The ``prange`` runs over blocks of equal size whose number is a multiple of the
+threads' (``_twins.split``), and Numba gives each thread one contiguous run of them,
 so the additions for any element are the same whatever the thread count.
 
 One pass, the shape of the loop a user writes (docs/kernels.md, "Why the
@@ -29,6 +30,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 from typing import Any
 
+import numba
 import numpy as np
 from numba import njit, prange
 
@@ -42,9 +44,28 @@ NAME = "numba"
 PARALLEL_ELEMS = 1 << 16
 #: Inputs summed in one pass (LLVM's limit on run-time alias checks, module docstring).
 GROUP = 8
-#: Elements per block: a thread takes a contiguous run of blocks; each block ORs its own finite flag.
+#: About this many elements per block; each block ORs its own finite flag.
 BLOCK = 16384
+#: The threads a ``prange`` splits over by default (the cores, or ``NUMBA_NUM_THREADS``), read at import.
+THREADS = max(1, int(numba.config.NUMBA_NUM_THREADS))
 
+
+@njit(cache=True, nogil=True)
+def split(m):
+    """(blocks, elements per block) for ``m`` elements: a kernel's ``prange`` runs over the blocks.
+
+    The number of blocks is a multiple of ``THREADS`` and the blocks are of one size (a multiple of 16
+    elements, 64 bytes of float32: no two threads write one cache line), so every thread gets the same
+    share. Blocks of exactly ``BLOCK`` elements, the last one short, gave one thread 4 blocks and the other
+    3 at 1e5 elements on 2 threads (65,536 elements against 34,464), and took 1.2-1.6x the time of an even
+    split from 7e4 to 1e5 elements (docs/kernels.md). ``THREADS`` is a constant in the compiled (and
+    cached) code, not the thread count of the moment: it sets only how evenly the work is shared, never a
+    result, and a process that lowers the count with ``numba.set_num_threads`` gets a split that may be
+    uneven. Asking for the count inside the kernel would make it uncacheable (``numba.get_num_threads``
+    reads a ctypes pointer), and asking in Python costs 0.5 us a call. The last blocks may be short or
+    empty (all of them when ``m`` is 0)."""
+    nb = max(THREADS, ((m + BLOCK - 1) // BLOCK + THREADS - 1) // THREADS * THREADS)
+    return nb, ((m + nb - 1) // nb + 15) // 16 * 16
 
 
 def _sum(xs, out, f, mode, big):
@@ -52,8 +73,9 @@ def _sum(xs, out, f, mode, big):
     n = len(xs)
     m = out.shape[0]
     bad = 0
-    for b in prange((m + BLOCK - 1) // BLOCK):
-        lo, hi = np.uint64(b * BLOCK), np.uint64(min(m, (b + 1) * BLOCK))  # unsigned: no negative-index fix-up
+    nb, blk = split(m)
+    for b in prange(nb):
+        lo, hi = np.uint64(min(m, b * blk)), np.uint64(min(m, b * blk + blk))  # unsigned: no negative-index fix-up
         flag = False
         for i in range(lo, hi):
             s = out.dtype.type(xs[0][i])
@@ -74,8 +96,9 @@ def _sum_into(xs, out, f, mode, big):
     n = len(xs)
     m = out.shape[0]
     bad = 0
-    for b in prange((m + BLOCK - 1) // BLOCK):
-        lo, hi = np.uint64(b * BLOCK), np.uint64(min(m, (b + 1) * BLOCK))
+    nb, blk = split(m)
+    for b in prange(nb):
+        lo, hi = np.uint64(min(m, b * blk)), np.uint64(min(m, b * blk + blk))
         flag = False
         for i in range(lo, hi):
             s = out[i]
@@ -95,8 +118,9 @@ def _accumulate(acc, x, f, mode, sc, doscale, big):
     """acc = scale(finish(acc + x)); the number of blocks holding a non-finite result."""
     m = acc.shape[0]
     bad = 0
-    for b in prange((m + BLOCK - 1) // BLOCK):
-        lo, hi = np.uint64(b * BLOCK), np.uint64(min(m, (b + 1) * BLOCK))
+    nb, blk = split(m)
+    for b in prange(nb):
+        lo, hi = np.uint64(min(m, b * blk)), np.uint64(min(m, b * blk + blk))
         flag = False
         for i in range(lo, hi):
             s = acc[i] + x[i]
@@ -115,9 +139,10 @@ def _accumulate(acc, x, f, mode, sc, doscale, big):
 def _count_nonfinite(buf, big):
     m = buf.shape[0]
     bad = 0
-    for b in prange((m + BLOCK - 1) // BLOCK):
+    nb, blk = split(m)
+    for b in prange(nb):
         flag = False
-        for i in range(np.uint64(b * BLOCK), np.uint64(min(m, (b + 1) * BLOCK))):
+        for i in range(np.uint64(min(m, b * blk)), np.uint64(min(m, b * blk + blk))):
             flag |= not (abs(buf[i]) <= big)
         bad += flag
     return bad

@@ -32,7 +32,8 @@ AVX2 bf16 loop), one block per ``prange`` iteration, through the addresses it
 exports: Numba has no F16C. The loops above then serve the serial calls of
 the ``numba`` backend and every call where the extension is not built.
 
-Each thread takes a contiguous run of ``BLOCK`` elements per iteration, with
+Each thread takes a contiguous run of blocks (of about ``BLOCK`` elements, as
+many for every thread: ``_twins.split``), one per iteration, with
 unsigned indices: a flat ``prange`` over the elements, with signed indices
 (a negative-index fix-up on every access) and a reduction variable, ran
 1.4-1.6x slower at 1e6 elements (measured, docs/kernels.md).
@@ -49,11 +50,12 @@ from numba import njit, prange
 from ._compiled import extension
 from ._twins import twins as _two
 from .lowp_reference import fp16_table
+from .numba_cpu import BLOCK as BLOCK
+from .numba_cpu import split
 from .reference import DIV, MUL, NONE, finish
 
 NAME = "numba"
 PARALLEL_ELEMS = 1 << 16
-BLOCK = 16384  # as numba_cpu
 
 BF16, FP16 = 0, 1
 #: The smallest float32 magnitude (bits) whose bf16 encoding has an all-ones exponent: it rounds up to Inf.
@@ -91,8 +93,9 @@ def _encode(u, w, fmt):
     """float32 bits ``u`` -> wire ``w``; the number of blocks holding an encoded Inf/NaN."""
     m = u.shape[0]
     bad = 0
-    for b in prange((m + BLOCK - 1) // BLOCK):
-        lo, hi = np.uint64(b * BLOCK), np.uint64(min(m, (b + 1) * BLOCK))  # unsigned: no negative-index fix-up
+    nb, blk = split(m)
+    for b in prange(nb):
+        lo, hi = np.uint64(min(m, b * blk)), np.uint64(min(m, b * blk + blk))  # unsigned: no negative-index fix-up
         flag = False
         if fmt == BF16:
             for i in range(lo, hi):
@@ -112,8 +115,9 @@ def _encode_bf16_checked(u, w):
     """bf16 encode without the NaN select; the number of blocks holding an input that encodes to Inf/NaN."""
     m = u.shape[0]
     bad = 0
-    for b in prange((m + BLOCK - 1) // BLOCK):
-        lo, hi = np.uint64(b * BLOCK), np.uint64(min(m, (b + 1) * BLOCK))
+    nb, blk = split(m)
+    for b in prange(nb):
+        lo, hi = np.uint64(min(m, b * blk)), np.uint64(min(m, b * blk + blk))
         flag = np.uint32(0)
         for i in range(lo, hi):
             x = u[i]
@@ -129,8 +133,9 @@ def _accumulate(acc, w, table, fmt, f, mode, decode_only):
     m = acc.shape[0]
     big = np.float32(np.finfo(np.float32).max)
     bad = 0
-    for b in prange((m + BLOCK - 1) // BLOCK):
-        lo, hi = np.uint64(b * BLOCK), np.uint64(min(m, (b + 1) * BLOCK))
+    nb, blk = split(m)
+    for b in prange(nb):
+        lo, hi = np.uint64(min(m, b * blk)), np.uint64(min(m, b * blk + blk))
         flag = False
         if fmt == BF16:
             for i in range(lo, hi):
@@ -178,11 +183,14 @@ if _NATIVE is not None:
     # Not cached on disk: the loops' addresses are constants in the machine code and differ in every process.
     @njit(fastmath=False, nogil=True, parallel=True)
     def encode_native(u, w, fmt):
-        """The compiled encode, one block of ``BLOCK`` elements per iteration; the non-finite block count."""
+        """The compiled encode, one block (``_twins.split``) per iteration; the non-finite block count."""
         m = u.shape[0]
         bad = 0
-        for b in prange((m + BLOCK - 1) // BLOCK):
-            lo, hi = b * BLOCK, min(m, (b + 1) * BLOCK)
+        nb, blk = split(m)
+        for b in prange(nb):
+            lo, hi = min(m, b * blk), min(m, b * blk + blk)
+            if hi <= lo:  # one of the last blocks, empty
+                continue
             if fmt == FP16:
                 bad += 1 - _ENC_FP16(u[lo:hi].ctypes, w[lo:hi].ctypes, hi - lo)
             else:
@@ -195,8 +203,11 @@ if _NATIVE is not None:
         m = acc.shape[0]
         md, dec = np.int32(mode), np.int32(decode_only)
         bad = 0
-        for b in prange((m + BLOCK - 1) // BLOCK):
-            lo, hi = b * BLOCK, min(m, (b + 1) * BLOCK)
+        nb, blk = split(m)
+        for b in prange(nb):
+            lo, hi = min(m, b * blk), min(m, b * blk + blk)
+            if hi <= lo:
+                continue
             if fmt == FP16:
                 bad += 1 - _ACC_FP16(acc[lo:hi].ctypes, w[lo:hi].ctypes, table.ctypes, hi - lo, f, md, dec)
             else:

@@ -106,10 +106,12 @@ __all__ = [
 BACKENDS = ("cython", "numba", "numpy", "cuda", "cudasim")
 #: The kinds of kernel call (see the module docstring).
 KINDS = ("reduce", "accumulate", "finite", "scale", "lowp", "exact")
-#: Up to this many output elements the automatic choice is Cython (measured: at 1e5 elements the serial
-#: compiled kernels beat the threaded Numba ones, whose per-call cost is several microseconds; at 1e6 two
-#: threads win).
-SMALL_ELEMS = 1 << 18
+#: Up to this many output elements the automatic choice is Cython. Measured on the 2-core AMD EPYC after the
+#: threaded kernels' blocks were split evenly between the threads (docs/kernels.md, "An even split"), calling
+#: the fast entries with and without a limit: at 1e5 elements the serial and the threaded accumulate, bf16
+#: encode and bf16 accumulate are within 20% of each other either way (the threaded ones' start costs about
+#: 2 us); from 1.5e5 the threaded ones win, by 1.2-1.7x (1.7-1.8x at 2e5). It was 262,144 before the split.
+SMALL_ELEMS = 1 << 17
 #: The reduce's limit for 2 inputs; n inputs move (n + 1) / 3 times the bytes, so their limit is 3 / (n + 1)
 #: of it (``reduce_elems``). Measured on a 2-core Xeon (docs/kernels.md, "Where threads pay off"): the
 #: threaded reduce overtook the serial one at about 65,000-100,000 outputs for 2 inputs, 50,000 for 4, 25,000 for 8,
