@@ -30,11 +30,13 @@ from __future__ import annotations
 from collections.abc import Sequence
 from typing import Any
 
-import numba
 import numpy as np
 from numba import njit, prange
 
 from . import reference
+from ._twins import BLOCK as BLOCK
+from ._twins import THREADS as THREADS
+from ._twins import split
 from ._twins import twins as _two
 from .reference import DIV, MUL, NONE, finish
 
@@ -44,30 +46,6 @@ NAME = "numba"
 PARALLEL_ELEMS = 1 << 16
 #: Inputs summed in one pass (LLVM's limit on run-time alias checks, module docstring).
 GROUP = 8
-#: About this many elements per block; each block ORs its own finite flag.
-BLOCK = 16384
-#: The threads a ``prange`` splits over by default (the cores, or ``NUMBA_NUM_THREADS``), read at import.
-THREADS = max(1, int(numba.config.NUMBA_NUM_THREADS))
-
-
-@njit(cache=True, nogil=True)
-def split(m):
-    """(blocks, elements per block) for ``m`` elements: a kernel's ``prange`` runs over the blocks.
-
-    The number of blocks is a multiple of ``THREADS`` and the blocks are of one size (a multiple of 16
-    elements, 64 bytes of float32: no two threads write one cache line), so every thread gets the same
-    share. Blocks of exactly ``BLOCK`` elements, the last one short, gave one thread 4 blocks and the other
-    3 at 1e5 elements on 2 threads (65,536 elements against 34,464), and took 1.2-1.6x the time of an even
-    split from 7e4 to 1e5 elements (docs/kernels.md). ``THREADS`` is a constant in the compiled (and
-    cached) code, not the thread count of the moment: it sets only how evenly the work is shared, never a
-    result, and a process that lowers the count with ``numba.set_num_threads`` gets a split that may be
-    uneven. Asking for the count inside the kernel would make it uncacheable (``numba.get_num_threads``
-    reads a ctypes pointer), and asking in Python costs 0.5 us a call. The last blocks may be short or
-    empty (all of them when ``m`` is 0)."""
-    nb = max(THREADS, ((m + BLOCK - 1) // BLOCK + THREADS - 1) // THREADS * THREADS)
-    return nb, ((m + nb - 1) // nb + 15) // 16 * 16
-
-
 def _sum(xs, out, f, mode, big):
     """out = finish(xs[0] + ... + xs[n-1]); the number of blocks holding a non-finite result."""
     n = len(xs)

@@ -48,10 +48,10 @@ import numpy as np
 from numba import njit, prange
 
 from ._compiled import extension
+from ._twins import BLOCK as BLOCK
+from ._twins import split
 from ._twins import twins as _two
 from .lowp_reference import fp16_table
-from .numba_cpu import BLOCK as BLOCK
-from .numba_cpu import split
 from .reference import DIV, MUL, NONE, finish
 
 NAME = "numba"
