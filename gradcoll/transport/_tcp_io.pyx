@@ -497,7 +497,7 @@ def exchange(int fd, int wake, cnp.ndarray acc, cnp.ndarray tmp, uint32_t tag, u
     just before the socket takes it. A non-finite element in the first
     ``ahead`` bytes ends the call before anything is sent (``BAD_INPUT``);
     one further on is reported (``bad_input``) and the frames still move. Waits as ``wait`` does (``spin`` seconds of
-    polling, then blocking) for at most ``timeout`` seconds (< 0: no limit),
+    polling since the last byte moved, then blocking) for at most ``timeout`` seconds (< 0: no limit),
     and stops when ``wake`` is readable (another thread queued work).
 
     The send runs at most ``ahead`` payload bytes ahead of the receive. The
@@ -647,6 +647,7 @@ def exchange(int fd, int wake, cnp.ndarray acc, cnp.ndarray tmp, uint32_t tag, u
                 red = ready_elems
                 continue
             if moved:
+                spin_end = _now() + spin  # the spin counts from the last byte moved
                 continue
             pfd[0].fd = fd
             pfd[0].events = (POLLIN_ if roff < total and (copy or roff < HDR or pay - floor_b < rsize) else 0) \

@@ -85,6 +85,12 @@ STAGE_BYTES = 256 << 10
 STAGE_MIN = 64 << 10
 STAGE_MAX = 8 << 20
 
+#: How long (seconds) the step polls, yielding the CPU in between, after the last byte it moved before it blocks
+#: in ``poll``. A rank that blocks must be woken, and on a machine with more ranks than cores the kernel may queue
+#: the woken rank behind another on a busy core while the other core idles (docs/performance.md, "Ranks that
+#: stay runnable"); a rank that polls and yields stays runnable.
+STEP_SPIN_S = 5e-4
+
 #: ``exchange_reduce``'s outcomes.
 DECLINED = -1  # nothing moved: the caller runs its general path
 MOVED = 0  # both frames moved, nothing reduced (a copy: the caller reduces nothing)
@@ -136,7 +142,7 @@ def exchange_reduce(t: Any, io: ModuleType, peer: int, acc: np.ndarray, tmp: np.
     started = time.monotonic()
     try:
         out, sent, got, serr, rerr, eof, hdr, red, fin, bad = io.exchange(
-            link.fd, t._wake_fd, acc, tmp, tag, sseq, rseq, t._spin, -1.0 if limit is None else limit, divisor,
+            link.fd, t._wake_fd, acc, tmp, tag, sseq, rseq, max(t._spin, STEP_SPIN_S), -1.0 if limit is None else limit, divisor,
             check_input and not copy, check, PIECE_BYTES, _ring(t), src, copy,
             _stage(t) if (acc if src is None else src).nbytes <= STAGE_MAX else None)
     except BaseException:  # refused its arrays: nothing moved
