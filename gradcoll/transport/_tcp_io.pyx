@@ -657,13 +657,14 @@ def exchange(int fd, int wake, cnp.ndarray acc, cnp.ndarray tmp, uint32_t tag, u
             pfd[1].events = POLLIN_
             pfd[1].revents = 0
             now = _now()
+            if timeout >= 0 and now >= end:
+                break  # the engine raises the timeout, with its words (checked while spinning too: a peer that
+                # trickles bytes keeps the spin going)
             if now < spin_end:
                 ready = poll(pfd, 2, 0)
                 if ready == 0:
                     sched_yield()
             else:
-                if timeout >= 0 and now >= end:
-                    break  # the engine raises the timeout, with its words
                 ms = 60000 if timeout < 0 or end - now > 60.0 else <int>((end - now) * 1000.0) + 1
                 ready = poll(pfd, 2, ms)
             if ready > 0 and pfd[1].revents:

@@ -406,6 +406,38 @@ def test_a_silent_peer_times_out_and_the_link_stays(raw) -> None:
     assert t.recv(1, out, tag=TAG, timeout=5) == 16 and (out == 1.0).all()
 
 
+def test_a_peer_that_trickles_its_frame_times_out_within_the_limit(raw, monkeypatch) -> None:
+    # Every byte moved restarts the step's spin (STEP_SPIN_S); the limit is still checked while it spins, so a
+    # peer that keeps sending a byte at a time cannot hold the step past it. The spin is made longer than the
+    # whole trickle, so that only the check can end the step before the frame is complete.
+    monkeypatch.setattr(tcp_fast, "STEP_SPIN_S", 60.0)
+    t, peer = raw
+    frame = _frame(0, np.ones(1 << 12, np.float32))  # 16 KiB: a byte every 300 us or more takes 5 s
+    stop = threading.Event()
+
+    def trickle() -> None:
+        for i in range(len(frame)):
+            if stop.is_set():
+                return
+            try:
+                peer.send(frame[i:i + 1])
+            except OSError:
+                return
+            time.sleep(300e-6)  # paces the bytes (and lets the step's thread have the GIL); synchronises nothing
+
+    th = threading.Thread(target=trickle, daemon=True)
+    th.start()
+    t0 = time.monotonic()
+    try:
+        with pytest.raises(CollectiveTimeout, match="peer 1"):
+            _step(t, np.ones(1 << 12, np.float32), timeout=0.2)
+        took = time.monotonic() - t0
+    finally:
+        stop.set()
+        th.join(10)
+    assert took < 2.0, f"the step ran {took:.2f} s past a 0.2 s limit"
+
+
 def test_another_threads_send_waits_for_the_step_and_wakes_it(raw) -> None:
     t, peer = raw
     acc = np.ones(4, np.float32)
