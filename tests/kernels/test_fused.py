@@ -39,6 +39,12 @@ def test_every_length_and_input_count(backend: str, dtype: type) -> None:
                 want = ref_reduce(rows, divisor)
                 assert K.mean_reduce(rows, op=op, backend=backend).tobytes() == want.tobytes(), (n, m, op)
                 assert K.mean_reduce(np.stack(rows) if m else rows, op=op, backend=backend).tobytes() == want.tobytes()
+            for d in (None, n, 3):  # the ring's step over the same lengths: vector body, scalar tail
+                want = rows[0].copy()
+                reference.accumulate(want, rows[-1], None, d, False)
+                got = rows[0].copy()
+                K.accumulate(got, rows[-1], divide_by=d, check_finite=False, backend=backend)
+                assert got.tobytes() == want.tobytes(), (n, m, d)
 
 
 @pytest.mark.parametrize("backend", HOST)
