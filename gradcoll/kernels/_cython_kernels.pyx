@@ -10,6 +10,7 @@ overflow. The caller locates the culprit on the error path only.
 """
 
 cimport numpy as cnp
+from libc.float cimport DBL_MAX, FLT_MAX
 from libc.math cimport frexp
 from libc.stdint cimport uint16_t, uint32_t
 from cpython.list cimport PyList_GET_ITEM
@@ -212,6 +213,104 @@ def set_threaded(object reduce, Py_ssize_t max_inputs, object accumulate, object
     _threaded_accumulate, _threaded_encode, _threaded_lowp_accumulate = accumulate, encode, lowp_accumulate
 
 
+# The threaded reduce of 1 to 8 inputs as C functions (``numba_cpu.reduce_entry``, registered after its first
+# call through ``_threaded_reduce``), by float64 or not and the count of inputs: a large call then runs with no
+# Python between this entry and the threads (docs/kernels.md, "The threaded kernels without Python").
+ctypedef long long (*_entry_f)(float**, float*, long long, float, long long, float) noexcept nogil
+ctypedef long long (*_entry_d)(double**, double*, long long, double, long long, double) noexcept nogil
+cdef enum:
+    ENTRY_INPUTS = 8
+cdef void* _entries[2][ENTRY_INPUTS + 1]
+cdef double _entry_min = 0.0  # from this many outputs for 2 inputs (scaled by the bytes moved) the entries run
+
+
+def set_threaded_reduce(bint double, Py_ssize_t n, size_t address, Py_ssize_t parallel_elems):
+    """Register the address of the threaded reduce of ``n`` inputs (float64 when ``double``, else float32),
+    ``int64 f(T** xs, T* out, int64 m, T factor, int64 mode, T big)``, for the calls of at least
+    ``parallel_elems`` outputs of 2 inputs (``3 / (n + 1)`` of that for n); address 0 removes it."""
+    global _entry_min
+    if not 1 <= n <= ENTRY_INPUTS:
+        raise ValueError(f"an entry takes 1 to {ENTRY_INPUTS} inputs, not {n}")
+    _entries[1 if double else 0][n] = <void*>address
+    _entry_min = 3.0 * <double>parallel_elems
+
+
+def threaded_reduce_entries():
+    """The (float64, count of inputs) pairs whose threaded reduce runs from C (``set_threaded_reduce``)."""
+    return [(bool(d), k) for d in range(2) for k in range(1, ENTRY_INPUTS + 1) if _entries[d][k] != NULL]
+
+
+# The threaded accumulate and low-precision kernels as C functions (``numba_cpu.accumulate_entry``,
+# ``numba_lowp.entry``), by name, each from its own count of elements.
+ctypedef long long (*_acc_entry_f)(float*, float*, long long, float, long long, float, long long, float) noexcept nogil
+ctypedef long long (*_acc_entry_d)(double*, double*, long long, double, long long, double, long long,
+                                   double) noexcept nogil
+ctypedef long long (*_enc_entry)(uint32_t*, uint16_t*, long long) noexcept nogil
+ctypedef long long (*_lacc_entry)(float*, uint16_t*, float*, long long, float, long long) noexcept nogil
+cdef enum:
+    E_ACC_F32 = 0
+    E_ACC_F64 = 1
+    E_ENC_BF16 = 2
+    E_ENC_FP16 = 3
+    E_ACC_BF16 = 4
+    E_ACC_FP16 = 5
+    E_COUNT = 6
+ENTRY_NAMES = ("accumulate_f32", "accumulate_f64", "encode_bf16", "encode_fp16", "accumulate_bf16", "accumulate_fp16")
+cdef void* _named[E_COUNT]
+cdef Py_ssize_t _named_from[E_COUNT]
+
+
+def set_threaded_entry(str name, size_t address, Py_ssize_t parallel_elems):
+    """Register the address of a threaded kernel (one of ``ENTRY_NAMES``, the signatures of
+    ``numba_cpu.accumulate_entry`` and ``numba_lowp.entry``) for calls of at least ``parallel_elems`` elements
+    above a fast entry's limit; address 0 removes it."""
+    if name not in ENTRY_NAMES:
+        raise ValueError(f"unknown threaded entry {name!r}; one of {', '.join(ENTRY_NAMES)}")
+    k = ENTRY_NAMES.index(name)
+    _named[k] = <void*>address
+    _named_from[k] = parallel_elems
+
+
+def threaded_entries():
+    """The names of the threaded kernels that run from C (``set_threaded_entry``)."""
+    return [name for k, name in enumerate(ENTRY_NAMES) if _named[k] != NULL]
+
+
+cdef inline int _f32_finish(double divisor, double* f) noexcept nogil:
+    """``_finish`` for a float32 result: a reciprocal float32 cannot hold exactly is divided by instead."""
+    cdef int mode = _finish(divisor, f)
+    if mode == GC_MUL and not (1.1754943508222875e-38 <= f[0] <= 1.7014118346046923e+38):
+        f[0] = divisor
+        return GC_DIV
+    return mode
+
+
+cdef bint _run_acc_entry(void* e, cnp.ndarray a, cnp.ndarray x, Py_ssize_t m, bint dbl, double sc, bint doscale,
+                         double divisor, bint check):
+    cdef double f
+    cdef int mode = _finish(divisor, &f) if dbl else _f32_finish(divisor, &f)
+    cdef long long bad
+    cdef void* pa = cnp.PyArray_DATA(a)
+    cdef void* px = cnp.PyArray_DATA(x)
+    with nogil:
+        if dbl:
+            bad = (<_acc_entry_d>e)(<double*>pa, <double*>px, m, f, mode, sc, doscale, DBL_MAX)
+        else:
+            bad = (<_acc_entry_f>e)(<float*>pa, <float*>px, m, <float>f, mode, <float>sc, doscale, FLT_MAX)
+    return bad == 0 or not check
+
+
+cdef inline int _run_entry(void* e, void** ptrs, Py_ssize_t m, void* po, bint dbl, double divisor) noexcept nogil:
+    """Run a registered entry; the number of blocks holding a non-finite result."""
+    cdef double f
+    cdef int mode = _finish(divisor, &f)
+    if mode == GC_MUL and not dbl and not (1.1754943508222875e-38 <= f <= 1.7014118346046923e+38):
+        mode, f = GC_DIV, divisor  # the float32 reciprocal would not be exact
+    if dbl:
+        return <int>(<_entry_d>e)(<double**>ptrs, <double*>po, m, f, mode, DBL_MAX)
+    return <int>(<_entry_f>e)(<float**>ptrs, <float*>po, m, <float>f, mode, FLT_MAX)
+
+
 cdef inline bint _same_shape(cnp.ndarray a, cnp.ndarray b):
     cdef int k, nd = cnp.PyArray_NDIM(a)
     cdef cnp.npy_intp* da
@@ -258,8 +357,11 @@ cdef object _reduce_fast(object inputs, object out, bint mean, bint check, Py_ss
     cdef cnp.npy_intp* dims
     cdef int nd
     cdef void* stack[STACK_PTRS]
-    cdef int typenum
-    cdef bint ok, big
+    cdef int typenum, bad
+    cdef bint ok, big, dbl
+    cdef void* e
+    cdef void* po
+    cdef double divisor
     if type(inputs) is not list and type(inputs) is not tuple:
         return None
     n = len(inputs)
@@ -298,7 +400,16 @@ cdef object _reduce_fast(object inputs, object out, bint mean, bint check, Py_ss
         if not _same_shape(o, first):
             return None
     if big:
-        ok = _threaded_reduce(tuple(inputs), o, <double>n if mean else 1.0, check)
+        e = _entries[typenum == cnp.NPY_DOUBLE][n] if n <= ENTRY_INPUTS else NULL
+        if e != NULL and <double>m * (n + 1) >= _entry_min:
+            po = cnp.PyArray_DATA(o)
+            dbl = typenum == cnp.NPY_DOUBLE
+            divisor = <double>n if mean else 1.0
+            with nogil:
+                bad = _run_entry(e, stack, m, po, dbl, divisor)
+            ok = bad == 0 or not check
+        else:
+            ok = _threaded_reduce(tuple(inputs), o, <double>n if mean else 1.0, check)
     else:
         ok = _run_reduce(stack, n, m, o, typenum == cnp.NPY_DOUBLE, <double>n if mean else 1.0, check)
     return o if ok else False
@@ -349,7 +460,7 @@ def accumulate_fast(object acc, object x, object scale, object divisor, bint che
     (finite or not) or None when it does not apply.
     """
     cdef cnp.ndarray a
-    cdef int typenum
+    cdef int typenum, k
     cdef Py_ssize_t m
     cdef bint doscale = scale is not None
     if not cnp.PyArray_CheckExact(acc):
@@ -366,6 +477,10 @@ def accumulate_fast(object acc, object x, object scale, object divisor, bint che
     if m > limit:
         if cnp.PyArray_NDIM(a) != 1 or cnp.PyArray_NDIM(<cnp.ndarray>x) != 1:
             return None
+        k = E_ACC_F64 if typenum == cnp.NPY_DOUBLE else E_ACC_F32
+        if _named[k] != NULL and m >= _named_from[k]:
+            return _run_acc_entry(_named[k], a, <cnp.ndarray>x, m, typenum == cnp.NPY_DOUBLE,
+                                  scale if doscale else 1.0, doscale, divisor if divisor is not None else 1.0, check)
         return bool(_threaded_accumulate(a, x, scale, divisor, check))
     return _run_accumulate(a, <cnp.ndarray>x, scale if doscale else 1.0, doscale,
                            divisor if divisor is not None else 1.0, check)
@@ -441,7 +556,11 @@ def lowp_encode_fast(object src, object dst, object wire, bint check, Py_ssize_t
     (``dst`` filled), or None when the fast path does not apply."""
     cdef cnp.ndarray a, w
     cdef Py_ssize_t m
-    cdef int code = _wire_code(wire)
+    cdef int code = _wire_code(wire), k
+    cdef void* e
+    cdef uint32_t* pu
+    cdef uint16_t* pw
+    cdef long long bad
     if code < 0 or not cnp.PyArray_CheckExact(src):
         return None
     a = <cnp.ndarray>src
@@ -458,6 +577,14 @@ def lowp_encode_fast(object src, object dst, object wire, bint check, Py_ssize_t
     if m > limit:
         if cnp.PyArray_NDIM(w) != 1:
             return None
+        k = E_ENC_FP16 if code == 1 else E_ENC_BF16
+        e = _named[k]
+        if e != NULL and m >= _named_from[k]:
+            pu = <uint32_t*>cnp.PyArray_DATA(a)
+            pw = <uint16_t*>cnp.PyArray_DATA(w)
+            with nogil:
+                bad = (<_enc_entry>e)(pu, pw, m)
+            return w if bad == 0 or not check else False
         return w if _threaded_encode(a, w, wire, check) else False
     return w if _encode(a, w, code == 1) or not check else False
 
@@ -468,8 +595,13 @@ def lowp_accumulate_fast(object acc, object x, object wire, object divisor, bint
     plain uint16 ``x`` of the same size. Returns True/False (finite or not) or None when it does not apply."""
     cdef cnp.ndarray a, w
     cdef Py_ssize_t m
-    cdef double d
-    cdef int code = _wire_code(wire)
+    cdef double d, f
+    cdef int code = _wire_code(wire), k, mode
+    cdef void* e
+    cdef float* pa
+    cdef float* pt
+    cdef uint16_t* pw
+    cdef long long bad
     if code < 0 or _fp16_table is None or not cnp.PyArray_CheckExact(acc) or not cnp.PyArray_CheckExact(x):
         return None
     if divisor is not None and divisor == 0:
@@ -483,6 +615,16 @@ def lowp_accumulate_fast(object acc, object x, object wire, object divisor, bint
     if m > limit:
         if _threaded_lowp_accumulate is None or cnp.PyArray_NDIM(a) != 1 or cnp.PyArray_NDIM(w) != 1:
             return None
+        k = E_ACC_FP16 if code == 1 else E_ACC_BF16
+        e = _named[k]
+        if e != NULL and m >= _named_from[k]:
+            mode = _f32_finish(1.0 if divisor is None else <double>divisor, &f)
+            pa = <float*>cnp.PyArray_DATA(a)
+            pw = <uint16_t*>cnp.PyArray_DATA(w)
+            pt = <float*>cnp.PyArray_DATA(<cnp.ndarray>_fp16_table)
+            with nogil:
+                bad = (<_lacc_entry>e)(pa, pw, pt, m, <float>f, mode)
+            return bad == 0 or not check
         return bool(_threaded_lowp_accumulate(a, w, wire, divisor, check))
     d = 1.0 if divisor is None else <double>divisor
     return _lowp_acc(a, w, <cnp.ndarray>_fp16_table, code == 1, d, d != 1.0, False) or not check

@@ -53,35 +53,132 @@ __attribute__((target("avx512f,avx512bw"))) static gc_ssize gc_encode_bf16_512(c
     return i;
 }
 
-/* The widest encode loop, then the next one for what is left (the caller finishes the tail). */
-static gc_ssize gc_encode_bf16_vec(const uint32_t *u, uint16_t *w, gc_ssize m, uint32_t *flag) {
+/* From this many elements the bf16 encode runs the AVX2 loop: with its loads aligned the AVX-512 one took
+ * 1.05-1.07x its time at 3e6-1e7 elements, where both stream from memory (docs/kernels.md, "The bf16
+ * encode's loads"). The fp16 encode's AVX-512 loop was faster there too, and has no such limit. */
+#define GC_ENCODE_512_MAX ((gc_ssize)1 << 21)
+
+/* The widest encode loop, then the next one for what is left (the caller finishes the tail). The AVX-512
+ * loop starts where the source is 64-byte aligned, the elements before it encoded one at a time (CONV, with
+ * the format's EXP and ULP for the finite check): NumPy's large arrays begin 16 bytes into a line, and every
+ * 64-byte load then spans two lines (1.6x the time at 1e5 elements, 1.5x at 1e7). From MAX elements on
+ * only the AVX2 loop runs. */
+#define GC_DEFINE_ENCODE_VEC(NAME, CONV, LOOP512, LOOP256, EXP, ULP, MAX)                                 \
+    static gc_ssize NAME(const uint32_t *u, uint16_t *w, gc_ssize m, uint32_t *flag) {                 \
+        gc_ssize i = 0, head;                                                                          \
+        uint32_t v;                                                                                    \
+        int s = gc_simd();                                                                             \
+        if (s >= 2 && m < (MAX)) {                                                                     \
+            head = (gc_ssize)((((uintptr_t)0 - (uintptr_t)u) & 63u) >> 2);                             \
+            if (head > m)                                                                              \
+                head = m;                                                                              \
+            for (; i < head; i++) {                                                                    \
+                v = CONV(u[i]);                                                                        \
+                w[i] = (uint16_t)v;                                                                    \
+                *flag |= (v & (EXP)) + (ULP);                                                          \
+            }                                                                                          \
+            i += LOOP512(u + i, w + i, m - i, flag);                                                   \
+        }                                                                                              \
+        if (s >= 1)                                                                                    \
+            i += LOOP256(u + i, w + i, m - i, flag);                                                   \
+        return i;                                                                                      \
+    }
+
+GC_DEFINE_ENCODE_VEC(gc_encode_bf16_vec, gc_bf16, gc_encode_bf16_512, gc_encode_bf16_hw, 0x7f80u, 0x0080u,
+                     GC_ENCODE_512_MAX)
+
+/* The fp16 encode, 16 values per conversion (the AVX2 loop's steps on 16 lanes; the same rounding, so the
+ * same bits), from where the source is 64-byte aligned (as gc_encode_bf16_vec, the elements before it one
+ * at a time); then the AVX2 loop for what is left (docs/kernels.md, "The bf16 encode's loads"). */
+__attribute__((target("avx512f,avx2,f16c"))) static gc_ssize gc_encode_fp16_512(const uint32_t *u, uint16_t *w,
+                                                                                gc_ssize m, uint32_t *flag) {
     gc_ssize i = 0;
-    int s = gc_simd();
-    if (s >= 2)
-        i = gc_encode_bf16_512(u, w, m, flag);
-    if (s >= 1)
-        i += gc_encode_bf16_hw(u + i, w + i, m - i, flag);
+    __m256i fv = _mm256_setzero_si256();
+    const __m256i e = _mm256_set1_epi16(0x7c00), ulp = _mm256_set1_epi16(0x0400);
+    for (; i + 16 <= m; i += 16) {
+        __m256i h = _mm512_cvtps_ph(_mm512_loadu_ps((const float *)(u + i)), _MM_FROUND_TO_NEAREST_INT);
+        _mm256_storeu_si256((__m256i *)(w + i), h);
+        fv = _mm256_or_si256(fv, _mm256_add_epi16(_mm256_and_si256(h, e), ulp));
+    }
+    if ((unsigned)_mm256_movemask_epi8(fv) & 0xaaaaaaaau)  /* the top bit of a 16-bit lane: an Inf/NaN */
+        *flag |= 0x8000u;
     return i;
 }
+
+GC_DEFINE_ENCODE_VEC(gc_encode_fp16_vec, gc_fp16, gc_encode_fp16_512, gc_encode_fp16_hw, 0x7c00u, 0x0400u,
+                     (gc_ssize)1 << 62)  /* no limit */
+
+/* The 16-lane accumulate of the wire kernels: acc = finish(acc + x) (acc = x when DECODE_ONLY) with x = WIDEN
+ * (the 16 values at w + i as float32); ORs the finite check's top bit into flag and returns how many it did. */
+#define GC_ACC_512_LOOP(WIDEN, DECODE_ONLY)                                                                    \
+    gc_ssize i = 0;                                                                                            \
+    __m512i fv = _mm512_setzero_si512();                                                                       \
+    const __m512i e = _mm512_set1_epi32((int)GC_EXP32), ulp = _mm512_set1_epi32((int)GC_ULP32);               \
+    const __m512 vd = _mm512_set1_ps(d);                                                                       \
+    for (; i + 16 <= m; i += 16) {                                                                             \
+        __m512 x = (WIDEN);                                                                                    \
+        __m512 s = (DECODE_ONLY) ? x : _mm512_add_ps(_mm512_loadu_ps(acc + i), x);                            \
+        if (mode == GC_MUL) s = _mm512_mul_ps(s, vd);                                                          \
+        else if (mode == GC_DIV) s = _mm512_div_ps(s, vd);                                                     \
+        _mm512_storeu_ps(acc + i, s);                                                                          \
+        fv = _mm512_or_si512(fv, _mm512_add_epi32(_mm512_and_si512(_mm512_castps_si512(s), e), ulp));         \
+    }                                                                                                          \
+    if (_mm512_test_epi32_mask(fv, _mm512_set1_epi32((int)GC_TOP32)))  /* the sign bit of a lane: Inf/NaN */  \
+        *flag |= GC_TOP32;                                                                                     \
+    return i;
 
 /* acc = finish(acc + widen(w)) (acc = widen(w) when decode_only), 16 lanes a time; ORs the finite check's
  * top bit into flag and returns how many it did (a multiple of 16). */
 __attribute__((target("avx512f,avx512bw"))) static gc_ssize gc_acc_bf16_512(float *acc, const uint16_t *w,
                                                                              gc_ssize m, float d, int mode,
                                                                              int decode_only, uint32_t *flag) {
+    GC_ACC_512_LOOP(_mm512_castsi512_ps(_mm512_slli_epi32(
+        _mm512_cvtepu16_epi32(_mm256_loadu_si256((const __m256i *)(w + i))), 16)), decode_only)
+}
+
+/* acc = finish(acc + widen(w)) for the fp16 wire, 16 lanes a time (the conversion is exact, as the table
+ * lookup of the scalar loop is); ORs the finite check's top bit into flag and returns how many it did. With
+ * AVX2 only (8 lanes) the serial fp16 accumulate ran at 0.39 of the serial streaming loop at 1e5 elements
+ * (docs/kernels.md, "The fp16 accumulate"). */
+__attribute__((target("avx512f"))) static gc_ssize gc_acc_fp16_512(float *acc, const uint16_t *w, gc_ssize m,
+                                                                   float d, int mode, uint32_t *flag) {
+    GC_ACC_512_LOOP(_mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)(w + i))), 0)
+}
+
+/* From this many elements the float32 accumulate runs its AVX2 loop only (docs/kernels.md, "The
+ * accumulate's mode"): at 1e7 elements the AVX-512 one took 1.01-1.03x its time. */
+#define GC_ACC_512_MAX ((gc_ssize)1 << 21)
+
+/* acc = scale(finish(acc + x)) for float32, 32 lanes a step (the AVX2 loop's operations in the same order,
+ * so the same bits); ORs the finite check's top bit into flag and returns how many it did. */
+__attribute__((target("avx512f"))) static gc_ssize gc_acc_f_512(float *acc, const float *x, gc_ssize m, float d,
+                                                                int mode, float sc, int doscale, uint32_t *flag) {
     gc_ssize i = 0;
     __m512i fv = _mm512_setzero_si512();
     const __m512i e = _mm512_set1_epi32((int)GC_EXP32), ulp = _mm512_set1_epi32((int)GC_ULP32);
-    const __m512 vd = _mm512_set1_ps(d);
-    for (; i + 16 <= m; i += 16) {
-        __m512 x = _mm512_castsi512_ps(_mm512_slli_epi32(
-            _mm512_cvtepu16_epi32(_mm256_loadu_si256((const __m256i *)(w + i))), 16));
-        __m512 s = decode_only ? x : _mm512_add_ps(_mm512_loadu_ps(acc + i), x);
-        if (mode == GC_MUL) s = _mm512_mul_ps(s, vd);
-        else if (mode == GC_DIV) s = _mm512_div_ps(s, vd);
-        _mm512_storeu_ps(acc + i, s);
-        fv = _mm512_or_si512(fv, _mm512_add_epi32(_mm512_and_si512(_mm512_castps_si512(s), e), ulp));
+    const __m512 vd = _mm512_set1_ps(d), vs = _mm512_set1_ps(sc);
+#define GC_ACC_F_512_LOOP(MODE, DOSCALE)                                                                         \
+    for (; i + 32 <= m; i += 32) {                                                                             \
+        __m512 s0 = _mm512_add_ps(_mm512_loadu_ps(acc + i), _mm512_loadu_ps(x + i));                           \
+        __m512 s1 = _mm512_add_ps(_mm512_loadu_ps(acc + i + 16), _mm512_loadu_ps(x + i + 16));                 \
+        if ((MODE) == GC_MUL) { s0 = _mm512_mul_ps(s0, vd); s1 = _mm512_mul_ps(s1, vd); }                      \
+        else if ((MODE) == GC_DIV) { s0 = _mm512_div_ps(s0, vd); s1 = _mm512_div_ps(s1, vd); }                 \
+        if (DOSCALE) { s0 = _mm512_mul_ps(s0, vs); s1 = _mm512_mul_ps(s1, vs); }                               \
+        _mm512_storeu_ps(acc + i, s0);                                                                         \
+        _mm512_storeu_ps(acc + i + 16, s1);                                                                    \
+        fv = _mm512_or_si512(fv, _mm512_or_si512(                                                              \
+            _mm512_add_epi32(_mm512_and_si512(_mm512_castps_si512(s0), e), ulp),                               \
+            _mm512_add_epi32(_mm512_and_si512(_mm512_castps_si512(s1), e), ulp)));                             \
     }
+    if (doscale)
+        GC_ACC_F_512_LOOP(mode, 1)
+    else if (mode == GC_MUL)
+        GC_ACC_F_512_LOOP(GC_MUL, 0)
+    else if (mode == GC_DIV)
+        GC_ACC_F_512_LOOP(GC_DIV, 0)
+    else
+        GC_ACC_F_512_LOOP(GC_NONE, 0)
+#undef GC_ACC_F_512_LOOP
     if (_mm512_test_epi32_mask(fv, _mm512_set1_epi32((int)GC_TOP32)))  /* the sign bit of a lane: an Inf/NaN */
         *flag |= GC_TOP32;
     return i;

@@ -31,7 +31,7 @@ from collections.abc import Sequence
 from typing import Any
 
 import numpy as np
-from numba import njit, prange
+from numba import carray, cfunc, njit, prange, types
 
 from . import reference
 from ._twins import BLOCK as BLOCK
@@ -195,8 +195,100 @@ def reduce_plain(xs: tuple[np.ndarray, ...], out: np.ndarray, divisor: float, ch
     if p is None:
         mode, f = finish(divisor, out.dtype)
         p = _PLAIN[key] = (out.dtype.type(f), mode, _big(out.dtype))
-    fn = sum_parallel if _parallel(out.shape[0], len(xs)) else sum_serial
-    return fn(xs, out, p[0], p[1], p[2]) == 0 or not check
+    par = _parallel(out.shape[0], len(xs))
+    ok = (sum_parallel if par else sum_serial)(xs, out, p[0], p[1], p[2]) == 0 or not check
+    if par and _register is not None and (out.dtype, len(xs)) not in _REGISTERED:
+        _REGISTERED.add((out.dtype, len(xs)))  # the extension runs the entry itself from its next such call
+        _register(out.dtype == np.float64, len(xs), reduce_entry(out.dtype, len(xs)))
+    return ok
+
+
+#: ``set_threaded_reduce(double, n, address)`` of the extension where it takes the entries (set by ``select``),
+#: and the (dtype, count) pairs handed to it.
+_register: Any = None
+_REGISTERED: set[tuple[np.dtype, int]] = set()
+#: ``set_threaded_entry(name, address)`` of the extension (set by ``select``), and the names handed to it.
+_register_entry: Any = None
+_REGISTERED_NAMES: set[str] = set()
+
+
+# -- the threaded reduce as C entry points (the extension calls them with no Python in between) ----------------
+# Above its limit the extension's fast entry called ``reduce_plain`` through Python: a tuple, this module's
+# frame, Numba's dispatcher typing the tuple. At 1e5 elements that was 1.0-1.4 us of a 5.9 us call of 2 inputs
+# (docs/kernels.md, "The threaded kernels without Python"). Each entry is a ``cfunc`` for one count of inputs,
+# ``int64 entry(T** xs, T* out, int64 m, T f, int64 mode, T big)``, that calls ``sum_parallel`` (the same
+# compiled kernel, so the same bits) on arrays over the pointers. Written out per count: the tuple's length is
+# what makes Numba unroll the loop over the inputs. Compiled on first use and cached on disk.
+
+def _e1(p, o, m, f, mode, big):
+    return sum_parallel((carray(p[0], m),), carray(o, m), f, mode, big)
+
+
+def _e2(p, o, m, f, mode, big):
+    return sum_parallel((carray(p[0], m), carray(p[1], m)), carray(o, m), f, mode, big)
+
+
+def _e3(p, o, m, f, mode, big):
+    return sum_parallel((carray(p[0], m), carray(p[1], m), carray(p[2], m)), carray(o, m), f, mode, big)
+
+
+def _e4(p, o, m, f, mode, big):
+    return sum_parallel((carray(p[0], m), carray(p[1], m), carray(p[2], m), carray(p[3], m)), carray(o, m),
+                        f, mode, big)
+
+
+def _e5(p, o, m, f, mode, big):
+    return sum_parallel((carray(p[0], m), carray(p[1], m), carray(p[2], m), carray(p[3], m), carray(p[4], m)),
+                        carray(o, m), f, mode, big)
+
+
+def _e6(p, o, m, f, mode, big):
+    return sum_parallel((carray(p[0], m), carray(p[1], m), carray(p[2], m), carray(p[3], m), carray(p[4], m),
+                         carray(p[5], m)), carray(o, m), f, mode, big)
+
+
+def _e7(p, o, m, f, mode, big):
+    return sum_parallel((carray(p[0], m), carray(p[1], m), carray(p[2], m), carray(p[3], m), carray(p[4], m),
+                         carray(p[5], m), carray(p[6], m)), carray(o, m), f, mode, big)
+
+
+def _e8(p, o, m, f, mode, big):
+    return sum_parallel((carray(p[0], m), carray(p[1], m), carray(p[2], m), carray(p[3], m), carray(p[4], m),
+                         carray(p[5], m), carray(p[6], m), carray(p[7], m)), carray(o, m), f, mode, big)
+
+
+def _acc_entry(a, x, m, f, mode, sc, doscale, big):
+    return accumulate_parallel(carray(a, m), carray(x, m), f, mode, sc, doscale != 0, big)
+
+
+_ENTRY_BODIES = (_e1, _e2, _e3, _e4, _e5, _e6, _e7, _e8)
+assert len(_ENTRY_BODIES) == GROUP
+_ENTRIES: dict[tuple[np.dtype, int], Any] = {}
+
+
+def reduce_entry(dtype: np.dtype, n: int) -> int:
+    """The address of the threaded reduce of ``n`` (1 to ``GROUP``) inputs of ``dtype`` (float32 or float64)
+    as a C function (above); compiled, or loaded from the disk cache, on the first request."""
+    key = (np.dtype(dtype), n)
+    c = _ENTRIES.get(key)
+    if c is None:
+        t = types.float64 if key[0] == np.float64 else types.float32
+        sig = types.int64(types.CPointer(types.CPointer(t)), types.CPointer(t), types.int64, t, types.int64, t)
+        c = _ENTRIES[key] = cfunc(sig, cache=True, nogil=True)(_ENTRY_BODIES[n - 1])
+    return int(c.address)
+
+
+def accumulate_entry(dtype: np.dtype) -> int:
+    """The address of the threaded accumulate of ``dtype`` as a C function, ``int64 f(T* acc, T* x, int64 m,
+    T factor, int64 mode, T scale, int64 doscale, T big)``: the blocks holding a non-finite result."""
+    key = (np.dtype(dtype), 0)
+    c = _ENTRIES.get(key)
+    if c is None:
+        t = types.float64 if key[0] == np.float64 else types.float32
+        p = types.CPointer(t)
+        sig = types.int64(p, p, types.int64, t, types.int64, t, types.int64, t)
+        c = _ENTRIES[key] = cfunc(sig, cache=True, nogil=True)(_acc_entry)
+    return int(c.address)
 
 
 def _parallel(m: int, n: int) -> bool:
@@ -209,8 +301,13 @@ def accumulate(acc: np.ndarray, x: np.ndarray, scale: float | None, divisor: flo
     """In place ``acc += x`` with optional divide/scale; True when finite."""
     mode, f = finish(divisor, acc.dtype)
     t = acc.dtype.type
-    fn = accumulate_parallel if acc.shape[0] >= PARALLEL_ELEMS else accumulate_serial
+    par = acc.shape[0] >= PARALLEL_ELEMS
+    fn = accumulate_parallel if par else accumulate_serial
     bad = fn(acc, x, t(f), mode, t(scale if scale is not None else 1.0), scale is not None, _big(acc.dtype))
+    name = "accumulate_f64" if acc.dtype == np.float64 else "accumulate_f32"
+    if par and _register_entry is not None and name not in _REGISTERED_NAMES:
+        _REGISTERED_NAMES.add(name)
+        _register_entry(name, accumulate_entry(acc.dtype))
     return bad == 0 or not check
 
 

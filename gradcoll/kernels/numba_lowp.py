@@ -45,7 +45,7 @@ import ctypes
 from typing import Any
 
 import numpy as np
-from numba import njit, prange
+from numba import carray, cfunc, njit, prange, types
 
 from ._compiled import extension
 from ._twins import BLOCK as BLOCK
@@ -215,6 +215,55 @@ if _NATIVE is not None:
         return bad
 
 
+    # The same kernels as C functions, which the extension's fast entries call with no Python in between
+    # (docs/kernels.md, "The threaded kernels without Python"): compiled on the first request, not cached
+    # either.
+    def _enc_bf16_entry(u, w, m):
+        return encode_native(carray(u, m), carray(w, m), BF16)
+
+    def _enc_fp16_entry(u, w, m):
+        return encode_native(carray(u, m), carray(w, m), FP16)
+
+    def _acc_bf16_entry(acc, w, table, m, f, mode):
+        return accumulate_native(carray(acc, m), carray(w, m), carray(table, 1 << 16), BF16, f, mode, False)
+
+    def _acc_fp16_entry(acc, w, table, m, f, mode):
+        return accumulate_native(carray(acc, m), carray(w, m), carray(table, 1 << 16), FP16, f, mode, False)
+
+    _F32, _U16, _U32 = types.CPointer(types.float32), types.CPointer(types.uint16), types.CPointer(types.uint32)
+    _ENTRY_SPECS = {
+        "encode_bf16": (types.int64(_U32, _U16, types.int64), _enc_bf16_entry),
+        "encode_fp16": (types.int64(_U32, _U16, types.int64), _enc_fp16_entry),
+        "accumulate_bf16": (types.int64(_F32, _U16, _F32, types.int64, types.float32, types.int64), _acc_bf16_entry),
+        "accumulate_fp16": (types.int64(_F32, _U16, _F32, types.int64, types.float32, types.int64), _acc_fp16_entry),
+    }
+
+_ENTRIES: dict[str, Any] = {}
+#: ``set_threaded_entry(name, address)`` of the extension (set by ``select``), and the names handed to it.
+_register_entry: Any = None
+_REGISTERED_NAMES: set[str] = set()
+
+
+def entry(name: str) -> int:
+    """The address of a threaded kernel as a C function: ``encode_bf16``/``encode_fp16`` (``int64 f(uint32* u,
+    uint16* w, int64 m)``), ``accumulate_bf16``/``accumulate_fp16`` (``int64 f(float* acc, uint16* w, float*
+    table, int64 m, float factor, int64 mode)``), each returning the blocks holding a non-finite value."""
+    if _NATIVE is None:
+        raise LookupError("the threaded low-precision entries need the compiled extension")
+    c = _ENTRIES.get(name)
+    if c is None:
+        sig, body = _ENTRY_SPECS[name]
+        c = _ENTRIES[name] = cfunc(sig, nogil=True)(body)
+    return int(c.address)
+
+
+def _hand_over(name: str) -> None:
+    """Give the extension the C entry of ``name`` after its first threaded call through Python."""
+    if _register_entry is not None and name not in _REGISTERED_NAMES:
+        _REGISTERED_NAMES.add(name)
+        _register_entry(name, entry(name))
+
+
 encode_serial, encode_parallel = _two(_encode)
 bf16_checked_serial, bf16_checked_parallel = _two(_encode_bf16_checked)
 accumulate_serial, accumulate_parallel = _two(_accumulate)
@@ -229,7 +278,9 @@ def lowp_encode(src: np.ndarray, dst: np.ndarray, wire: str, check: bool) -> boo
     par = src.shape[0] >= PARALLEL_ELEMS
     u = src.view(np.uint32)
     if par and _NATIVE is not None:
-        return encode_native(u, dst, _fmt(wire)) == 0 or not check
+        ok = encode_native(u, dst, _fmt(wire)) == 0 or not check
+        _hand_over("encode_" + wire)
+        return ok
     if check and wire == "bf16":
         if (bf16_checked_parallel if par else bf16_checked_serial)(u, dst) == 0:
             return True  # no NaN among the inputs: the select would have changed nothing
@@ -253,7 +304,9 @@ def lowp_accumulate(acc: np.ndarray, x: np.ndarray, wire: str, divisor: float | 
     par = acc.shape[0] >= PARALLEL_ELEMS
     mode, f = finish(divisor, np.dtype(np.float32))
     if par and _NATIVE is not None:
-        return accumulate_native(acc, x, fp16_table(), _fmt(wire), np.float32(f), mode, False) == 0 or not check
+        ok = accumulate_native(acc, x, fp16_table(), _fmt(wire), np.float32(f), mode, False) == 0 or not check
+        _hand_over("accumulate_" + wire)
+        return ok
     fn = accumulate_parallel if par else accumulate_serial
     return fn(acc, x, fp16_table(), _fmt(wire), np.float32(f), mode, False) == 0 or not check
 

@@ -106,12 +106,14 @@ __all__ = [
 BACKENDS = ("cython", "numba", "numpy", "cuda", "cudasim")
 #: The kinds of kernel call (see the module docstring).
 KINDS = ("reduce", "accumulate", "finite", "scale", "lowp", "exact")
-#: Up to this many output elements the automatic choice is Cython. Measured on the 2-core AMD EPYC after the
-#: threaded kernels' blocks were split evenly between the threads (docs/kernels.md, "An even split"), calling
-#: the fast entries with and without a limit: at 1e5 elements the serial and the threaded accumulate, bf16
-#: encode and bf16 accumulate are within 20% of each other either way (the threaded ones' start costs about
-#: 2 us); from 1.5e5 the threaded ones win, by 1.2-1.7x (1.7-1.8x at 2e5). It was 262,144 before the split.
-SMALL_ELEMS = 1 << 17
+#: Up to this many output elements the automatic choice is Cython. Measured on the 2-core AMD EPYC with
+#: AVX-512 after the fast entries began calling the threaded kernels' C entries themselves (docs/kernels.md,
+#: "The threaded kernels without Python"), calling them with and without a limit: the threaded accumulate,
+#: encode and accumulate of the wire formats took 0.55-1.0 of the serial loops' time from 66,000 elements
+#: (3.4 against 4.6 us for the accumulate at 1e5), and the threaded finite check 0.55 at 1e5. It was
+#: 131,072 while a threaded call went through Python and Numba's dispatcher (about 1-2 us more), 262,144
+#: before the threads' blocks were split evenly ("An even split").
+SMALL_ELEMS = 1 << 16
 #: The reduce's limit for 2 inputs; n inputs move (n + 1) / 3 times the bytes, so their limit is 3 / (n + 1)
 #: of it (``reduce_elems``). Measured on a 2-core Xeon (docs/kernels.md, "Where threads pay off"): the
 #: threaded reduce overtook the serial one at about 65,000-100,000 outputs for 2 inputs, 50,000 for 4, 25,000 for 8,
@@ -348,6 +350,21 @@ def _threaded(ext: Any) -> None:
     if isinstance(host, BaseException) or isinstance(lowp, BaseException):
         return
     ext.set_threaded(host.reduce_plain, host.GROUP, host.accumulate, lowp.lowp_encode, lowp.lowp_accumulate)
+    if hasattr(ext, "set_threaded_reduce") and hasattr(host, "reduce_entry"):  # then the reduce's C entries
+        setattr(host, "_register", functools.partial(_register_entry, ext, host.PARALLEL_ELEMS))  # noqa: B010
+    if hasattr(ext, "set_threaded_entry"):  # and those of the accumulate and the low-precision kernels
+        for mod in (host, lowp):
+            if hasattr(mod, "_register_entry"):
+                setattr(mod, "_register_entry",  # noqa: B010
+                        functools.partial(_register_named, ext, mod.PARALLEL_ELEMS))
+
+
+def _register_entry(ext: Any, parallel_elems: int, double: bool, n: int, address: int) -> None:
+    ext.set_threaded_reduce(double, n, address, parallel_elems)
+
+
+def _register_named(ext: Any, parallel_elems: int, name: str, address: int) -> None:
+    ext.set_threaded_entry(name, address, parallel_elems)
 
 
 def _limit(chains: Chains) -> int:

@@ -47,6 +47,36 @@ def test_every_length_and_input_count(backend: str, dtype: type) -> None:
                 assert got.tobytes() == want.tobytes(), (n, m, d)
 
 
+@pytest.mark.skipif("cython" not in K.available_backends(), reason="the compiled extension is not built")
+def test_compiled_accumulate_at_every_vector_width() -> None:
+    """The AVX-512, AVX2 and scalar accumulate loops (as many as this CPU has; the widest runs first and the
+    next takes what is left): the reference's bits for every mode and a scale, subnormal results included,
+    and a non-finite result caught wherever it lands (in each loop's part and the tail)."""
+    from gradcoll.errors import NonFiniteError
+    rng = np.random.default_rng(12)
+    tiny = np.finfo(np.float32).smallest_normal
+    for level in simd_widths("gradcoll.kernels._cython_kernels"):
+        for m in (0, 1, 15, 16, 17, 31, 32, 33, 47, 63, 64, 65, 1000, 4099):
+            for mag in (1.0, tiny * 8):
+                a = (rng.standard_normal(m) * mag).astype(np.float32)
+                b = (rng.standard_normal(m) * mag).astype(np.float32)
+                for scale, d in ((None, None), (None, 4), (None, 3), (0.3, None), (0.3, 3), (0.5, 8)):
+                    want = a.copy()
+                    reference.accumulate(want, b, scale, d, False)
+                    got = a.copy()
+                    K.accumulate(got, b, scale=scale, divide_by=d, check_finite=False, backend="cython")
+                    assert got.tobytes() == want.tobytes(), (level, m, mag, scale, d)
+            for at in {0, m // 2, m - 33, m - 17, m - 1} if m else ():
+                if at < 0:
+                    continue
+                for bad in (np.nan, np.inf, -np.inf):
+                    x = np.ones(m, np.float32)
+                    x[at] = bad
+                    with pytest.raises(NonFiniteError) as ei:
+                        K.accumulate(np.ones(m, np.float32), x, backend="cython")
+                    assert ei.value.index == at, (level, m, at)
+
+
 @pytest.mark.parametrize("backend", HOST)
 def test_divisors_exact_reciprocal_or_divide(backend: str) -> None:
     """Powers of two multiply by the reciprocal (same bits), others divide; subnormal results included."""
@@ -210,6 +240,22 @@ def test_compiled_wire_kernels_at_every_vector_width(wire: str) -> None:
                 with pytest.raises(NonFiniteError):
                     K.encode_wire(y, wire=wire, check_finite=True, backend="cython")
             K.encode_wire(np.ones(m, np.float32), wire=wire, check_finite=True, backend="cython")
+        base = rng.standard_normal(100_200).astype(np.float32)
+        for off in range(17):  # every start within a 64-byte line: the AVX-512 encode aligns its loads first
+            for m in (5, 100, 100_003):
+                x = base[off:off + m].copy() if off == 16 else base[off:off + m]
+                want = np.empty(m, np.uint16)
+                R.encode(x, want, wire, False)
+                assert np.array_equal(K.encode_wire(x, wire=wire, check_finite=False, backend="cython"), want)
+                for at in {0, min(m - 1, 7), min(m - 1, 15), m - 1}:  # in the first elements and after them
+                    y = x.copy() if off == 16 else base.copy()[off:off + m]
+                    y[at] = np.nan
+                    want = np.empty(m, np.uint16)
+                    R.encode(y, want, wire, False)
+                    got = np.empty(m, np.uint16)
+                    with pytest.raises(NonFiniteError) as ei:
+                        K.encode_wire(y, got, wire=wire, check_finite=True, backend="cython")
+                    assert ei.value.index == at and np.array_equal(got, want), (level, off, m, at)
         for d in (None, 2, 3):
             a1, a2 = acc0.copy(), acc0.copy()
             R.accumulate(a1, every, wire, d, False)

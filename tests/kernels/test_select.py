@@ -319,6 +319,7 @@ def test_large_plain_calls_go_from_the_fast_entry_to_the_threaded_kernels(monkey
     ext = extension()
     ext.set_threaded(spy("reduce", numba_cpu.reduce_plain), numba_cpu.GROUP, spy("acc", numba_cpu.accumulate),
                      spy("enc", numba_lowp.lowp_encode), spy("accw", numba_lowp.lowp_accumulate))
+    saved = _drop_entries(ext, monkeypatch)  # every large reduce through the Python callable here
     try:
         rng = np.random.default_rng(3)
         m = LARGE + 5
@@ -359,3 +360,137 @@ def test_large_plain_calls_go_from_the_fast_entry_to_the_threaded_kernels(monkey
         select._threaded.cache_clear()
         ext.set_threaded(None, 0, None, None, None)
         select._threaded(ext)
+        _restore_entries(ext, saved)
+
+
+def _drop_entries(ext: Any, monkeypatch: pytest.MonkeyPatch) -> tuple[list[tuple[bool, int]], list[str]]:
+    """Remove the threaded kernels' C entries and stop new ones being registered (for this test); what was
+    there."""
+    from gradcoll.kernels import numba_cpu, numba_lowp
+
+    saved = ext.threaded_reduce_entries(), ext.threaded_entries()
+    for double, n in saved[0]:
+        ext.set_threaded_reduce(double, n, 0, numba_cpu.PARALLEL_ELEMS)
+    for name in saved[1]:
+        ext.set_threaded_entry(name, 0, numba_cpu.PARALLEL_ELEMS)
+    monkeypatch.setattr(numba_cpu, "_register", None)
+    monkeypatch.setattr(numba_cpu, "_register_entry", None)
+    monkeypatch.setattr(numba_lowp, "_register_entry", None)
+    return saved
+
+
+def _restore_entries(ext: Any, saved: tuple[list[tuple[bool, int]], list[str]]) -> None:
+    from gradcoll.kernels import numba_cpu, numba_lowp
+
+    for double, n in saved[0]:
+        dt = np.dtype(np.float64 if double else np.float32)
+        ext.set_threaded_reduce(double, n, numba_cpu.reduce_entry(dt, n), numba_cpu.PARALLEL_ELEMS)
+    for name in saved[1]:
+        address = (numba_cpu.accumulate_entry(np.dtype(name.replace("accumulate_f", "float")))
+                   if name in ("accumulate_f32", "accumulate_f64") else numba_lowp.entry(name))
+        ext.set_threaded_entry(name, address, numba_cpu.PARALLEL_ELEMS)
+
+
+@pytest.mark.skipif(not {"cython", "numba"} <= set(AVAILABLE), reason="needs the compiled extension and Numba: "
+                    "pip install -e . with numba installed")
+def test_large_reduces_run_the_threaded_kernel_from_c_after_the_first() -> None:
+    """The first threaded reduce of a dtype and count of inputs registers that kernel's C entry
+    (``numba_cpu.reduce_entry``) with the extension, whose fast entry then calls it with no Python in between:
+    the reference's bits for 1-8 inputs, float32 and float64, mean (powers of two multiply, other counts
+    divide) and sum; a NaN located as before; and the registered entry is really what runs."""
+    from gradcoll.kernels import numba_cpu, reference
+    from gradcoll.kernels._compiled import extension
+
+    resolve("reduce", LARGE)
+    ext = extension()
+    rng = np.random.default_rng(5)
+    m = 100_003  # threads from 98,305 outputs for 1 input (2 * m > 3 * PARALLEL_ELEMS)
+    for dt in (np.float32, np.float64):
+        rows = [rng.standard_normal(m).astype(dt) * dt(1e3) for _ in range(8)]
+        rows[0][:3] = [-0.0, np.finfo(dt).tiny / 4, np.finfo(dt).max / 2]  # a negative zero, a subnormal, a large
+        for n in range(1, 9):
+            for op, divisor in (("mean", n), ("sum", 1)):
+                want = np.empty(m, dt)
+                assert reference.reduce_rows(rows[:n], want, np.dtype(dt), divisor, True)
+                for _ in range(2):  # the first call may register the entry, the second runs it
+                    got = K.mean_reduce(rows[:n], op=op)
+                    assert got.tobytes() == want.tobytes(), (dt, n, op)
+                out = np.full(m, 7, dt)
+                assert K.mean_reduce(rows[:n], out=out, op=op) is out and out.tobytes() == want.tobytes()
+            assert (dt is np.float64, n) in ext.threaded_reduce_entries()
+        bad = [r.copy() for r in rows[:5]]
+        bad[3][m - 1] = np.inf
+        with pytest.raises(gradcoll.NonFiniteError) as ei:
+            K.mean_reduce(bad)
+        assert (ei.value.contributor, ei.value.index) == (3, m - 1)
+    x = [rng.standard_normal(m).astype(np.float32) for _ in range(2)]
+    one, two = numba_cpu.reduce_entry(np.dtype(np.float32), 1), numba_cpu.reduce_entry(np.dtype(np.float32), 2)
+    ext.set_threaded_reduce(False, 2, one, numba_cpu.PARALLEL_ELEMS)  # the 1-input kernel where 2 inputs go
+    try:
+        got = K.mean_reduce(x)
+    finally:
+        ext.set_threaded_reduce(False, 2, two, numba_cpu.PARALLEL_ELEMS)
+    assert got.tobytes() == (x[0] * np.float32(0.5)).tobytes()  # only the first input, halved: the entry ran
+    assert K.mean_reduce(x).tobytes() == ((x[0] + x[1]) * np.float32(0.5)).tobytes()
+    with pytest.raises(ValueError, match="1 to 8 inputs"):
+        ext.set_threaded_reduce(False, 9, two, numba_cpu.PARALLEL_ELEMS)
+
+
+@pytest.mark.skipif(not {"cython", "numba"} <= set(AVAILABLE), reason="needs the compiled extension and Numba: "
+                    "pip install -e . with numba installed")
+def test_large_accumulates_and_wire_kernels_run_the_threaded_kernels_from_c() -> None:
+    """The same for the accumulate (float32, float64; a divisor that multiplies, one that divides, a scale) and
+    the wire formats' encode and accumulate: the reference's bits on the first call and on the later ones
+    (which run the C entry), a non-finite value located, and the registered entry is what runs."""
+    from gradcoll.kernels import lowp_reference, numba_lowp, reference
+    from gradcoll.kernels._compiled import extension
+
+    resolve("accumulate", LARGE)
+    ext = extension()
+    rng = np.random.default_rng(6)
+    m = LARGE + 9
+    for dt in (np.float32, np.float64):
+        acc0, x = rng.standard_normal(m).astype(dt), rng.standard_normal(m).astype(dt)
+        for scale, div in ((None, None), (None, 4), (None, 3), (0.3, None), (0.3, 3)):
+            want = acc0.copy()
+            assert reference.accumulate(want, x, scale, div, True)
+            for _ in range(2):
+                got = acc0.copy()
+                K.accumulate(got, x, scale=scale, divide_by=div)
+                assert got.tobytes() == want.tobytes(), (dt, scale, div)
+        bad = x.copy()
+        bad[m - 3] = -np.inf
+        with pytest.raises(gradcoll.NonFiniteError) as ei:
+            K.accumulate(acc0.copy(), bad)
+        assert ei.value.index == m - 3
+    assert {"accumulate_f32", "accumulate_f64"} <= set(ext.threaded_entries())
+    src = rng.standard_normal(m).astype(np.float32)
+    acc0 = rng.standard_normal(m).astype(np.float32)
+    for wire in ("bf16", "fp16"):
+        ref = np.empty(m, np.uint16)
+        lowp_reference.lowp_encode(src, ref, wire, True)
+        for _ in range(2):
+            assert K.encode_wire(src, wire=wire).tobytes() == ref.tobytes(), wire
+        for div in (None, 2, 3):
+            want = acc0.copy()
+            lowp_reference.lowp_accumulate(want, ref, wire, div, True)
+            for _ in range(2):
+                got = acc0.copy()
+                K.accumulate_wire(got, ref, wire, divide_by=div)
+                assert got.tobytes() == want.tobytes(), (wire, div)
+        nan = src.copy()
+        nan[m - 5] = np.nan
+        with pytest.raises(gradcoll.NonFiniteError) as ei:
+            K.encode_wire(nan, wire=wire)
+        assert ei.value.index == m - 5
+        assert {f"encode_{wire}", f"accumulate_{wire}"} <= set(ext.threaded_entries())
+    fp16 = np.empty(m, np.uint16)
+    lowp_reference.lowp_encode(src, fp16, "fp16", True)
+    ext.set_threaded_entry("encode_bf16", numba_lowp.entry("encode_fp16"), numba_lowp.PARALLEL_ELEMS)
+    try:
+        got = K.encode_wire(src, wire="bf16")  # the fp16 kernel where bf16 calls go: the entry ran
+    finally:
+        ext.set_threaded_entry("encode_bf16", numba_lowp.entry("encode_bf16"), numba_lowp.PARALLEL_ELEMS)
+    assert got.tobytes() == fp16.tobytes()
+    with pytest.raises(ValueError, match="unknown threaded entry 'encode_int8'"):
+        ext.set_threaded_entry("encode_int8", 0, 1)
