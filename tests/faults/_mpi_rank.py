@@ -16,6 +16,11 @@ import time
 import numpy as np
 
 
+def event(rank: int, what: str, detail: str) -> None:
+    """One event as one write of one whole line (print may write the text and its newline apart)."""
+    os.write(1, f"EVENT {rank} {what} {time.monotonic()} {detail}\n".encode())
+
+
 def main() -> None:
     from gradcoll.group.process_group import ProcessGroup
     from gradcoll.transport import mpi
@@ -27,19 +32,19 @@ def main() -> None:
     t = mpi.create(None, world.Get_rank(), world.Get_size(), timeout=2.0)
     g = ProcessGroup(t, timeout=2.0)
     rank, size = g.rank, g.size
-    print(f"EVENT {rank} up {time.monotonic()} pid={os.getpid()}", flush=True)
+    event(rank, "up", f"pid={os.getpid()}")
     for i in range(6):
         if i == 3 and rank == 2:
-            print(f"EVENT {rank} kill {time.monotonic()} -", flush=True)
+            event(rank, "kill", "-")
             os.kill(os.getpid(), signal.SIGKILL)
         buf = np.arange(1000, dtype=np.float64) * (rank + 1) + i
         try:
             g.allreduce(buf, op="sum", algorithm=algo)
         except BaseException as e:  # noqa: BLE001 - what a survivor sees is the point
-            print(f"EVENT {rank} raised {time.monotonic()} {type(e).__name__}: {e}", flush=True)
+            event(rank, "raised", f"{type(e).__name__}: {e}")
             return
         ok = np.array_equal(buf, np.arange(1000, dtype=np.float64) * (size * (size + 1) // 2) + size * i)
-        print(f"EVENT {rank} {'ok' if ok else 'WRONG'} {time.monotonic()} call {i}", flush=True)
+        event(rank, "ok" if ok else "WRONG", f"call {i}")
     g.close()
 
 

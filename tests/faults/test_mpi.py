@@ -24,6 +24,19 @@ pytestmark = [pytest.mark.mpi, pytest.mark.timeout(60 + 40 * REPEATS)]
 SCRIPT = os.path.join(os.path.dirname(os.path.abspath(__file__)), "_mpi_rank.py")
 ALGORITHMS = ("ring", "star", "recursive_doubling", "halving_doubling") if FULL else ("ring",)
 GRACE = 10.0
+# mpirun forwards each rank's output on its own, so one rank's line can land in
+# the middle of another's: events are found anywhere, not only at a line start.
+EVENT_RE = re.compile(r"EVENT (\d+) (\w+) (\d+\.\d+) (.*?)(?=EVENT \d+ \w+ \d|$)", re.M)
+
+
+def parse_events(out: str) -> list[list[str]]:
+    return [["EVENT", m.group(1), m.group(2), m.group(3), m.group(4)] for m in EVENT_RE.finditer(out)]
+
+
+def test_events_are_found_when_lines_interleave():
+    out = "EVENT 3 ok 1.5 call 2EVENT 2 kill 1.75 -\nEVENT 0 raised 2.0 GradcollError: rank 2: x\n"
+    assert [(e[1], e[2], e[3], e[4]) for e in parse_events(out)] == [
+        ("3", "ok", "1.5", "call 2"), ("2", "kill", "1.75", "-"), ("0", "raised", "2.0", "GradcollError: rank 2: x")]
 
 
 @pytest.mark.skipif(mpi_skip_reason() is not None, reason=str(mpi_skip_reason()))
@@ -35,7 +48,7 @@ def test_mpirun_ends_the_job_when_a_rank_dies(algorithm, fault_log):
         t0 = time.monotonic()
         res = subprocess.run(cmd, capture_output=True, text=True, timeout=60, env=env)
         t_end = time.monotonic()
-        events = [ln.split(" ", 4) for ln in res.stdout.splitlines() if ln.startswith("EVENT ")]
+        events = parse_events(res.stdout)
         kills = [float(e[3]) for e in events if e[2] == "kill"]
         assert kills, res.stdout + res.stderr
         detection = t_end - kills[0]
