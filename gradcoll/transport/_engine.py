@@ -366,7 +366,13 @@ class FramedTransport(Transport):
             if op.done:
                 continue
             err = self._timeout_error(op.describe(with_peer=False), op.link.peer, timeout, op.total)
-            if op.off:  # bytes already moved: the stream can no longer be trusted
+            if op.off and op.is_send:
+                # Part of the frame is out: the rest goes on in the background (the queue keeps it, later waits
+                # drive it), so the link stays in step. A peer that was itself stuck waiting for a third rank
+                # reads it as a stray frame of the failed call, then this rank's error record: dropping the link
+                # instead would look to it like this rank's death.
+                pass
+            elif op.off:  # bytes of a frame already read: the stream can no longer be trusted
                 reason = f"link abandoned mid-message after a timeout in {op.describe()}"
                 self._fail(op.link, TransportAborted, reason, err, fr.ABORT_TIMEOUT)
             else:
