@@ -41,7 +41,6 @@ from __future__ import annotations
 
 import array
 import importlib
-import ipaddress
 import os
 import select
 import socket
@@ -68,12 +67,6 @@ __all__ = ["TcpTransport", "create", "set_liveness", "tls_contexts", "SOCKBUF", 
            "LINK_TIMEOUT_S"]
 
 SPIN_S = 50e-6  # busy-poll this long before blocking in poll()
-#: The socket buffers (``SO_SNDBUF``/``SO_RCVBUF``) ``create`` gives a group on loopback with more ranks than
-#: CPUs (every rank on this machine, the cores the limit). A sender that can put 4 MiB into its socket before
-#: its peer runs leaves the bytes to go cold in the kernel's pages; with 256 KiB it hands over sooner. 4 ranks
-#: on 2 cores, 1-16 MiB: 10-20% less time per call than 4 MiB (and than 128 KiB-1 MiB or the kernel's
-#: autotuning); 2 ranks on 2 cores: 1.2-1.6x more time, so ``SOCKBUF`` stays everywhere else.
-SHARED_SOCKBUF = 256 << 10
 _HDR = fr.HEADER_SIZE
 
 
@@ -135,9 +128,6 @@ class TcpTransport(FramedTransport):
         self._poll.register(self._wake_r.fileno(), select.POLLIN)
         self._idle_since = 0.0
         self._spin = SPIN_S
-        #: More of the group's ranks on this machine than this process has CPUs: the cores are the limit.
-        self.cores_shared = cores_shared(self._peers)
-        self.stage_sends = not self.cores_shared
         # The compiled wait's poll set: slot 0 the wake socket, slot i the i-th peer (fd -1, ignored by
         # poll, while nothing is queued on it); updated in place, never rebuilt.
         self._fds = array.array("i", [self._wake_r.fileno()] + [-1] * len(self._peers))
@@ -223,8 +213,7 @@ class TcpTransport(FramedTransport):
             try:
                 if _IO is not None:  # every sendmsg until the frame is out or the socket is full, in C
                     n, err = _IO.push(link.fd, op.hdr, op.view, op.off,
-                                      fast.push_stage(self) if self.stage_sends
-                                      and fast.STAGE_MIN <= op.total <= fast.STAGE_MAX else None)
+                                      fast.push_stage(self) if fast.STAGE_MIN <= op.total <= fast.STAGE_MAX else None)
                     if err:
                         raise OSError(err, os.strerror(err))
                     n -= op.off
@@ -359,42 +348,6 @@ def _say_goodbye(link: _SockLink) -> None:
 
 
 # -- bootstrap ----------------------------------------------------------------
-def usable_cpus() -> int:
-    """The CPUs this process may run on."""
-    try:
-        return len(os.sched_getaffinity(0))
-    except (AttributeError, OSError):
-        return os.cpu_count() or 1
-
-
-def _on_this_machine(sock: socket.socket) -> bool:
-    """Whether the peer of ``sock`` runs on this machine: a socket pair, loopback, or this end's own address."""
-    if sock.family == getattr(socket, "AF_UNIX", None):
-        return True
-    try:
-        peer, mine = sock.getpeername()[0], sock.getsockname()[0]
-        return bool(peer == mine or ipaddress.ip_address(peer).is_loopback)
-    except (OSError, ValueError, IndexError):
-        return False
-
-
-def _loopback(host: str) -> bool:
-    try:
-        return ipaddress.ip_address(host).is_loopback
-    except ValueError:
-        return host == "localhost"
-
-
-def cores_shared(links: list[_SockLink]) -> bool:
-    """Whether this machine has more of the group's ranks (this one and the peers of ``links`` on it) than this
-    process has CPUs. Then the cores, not the copies' latency, bound a collective, and sends skip the staging
-    buffer (``tcp_fast.STAGE_BYTES``): a ``memcpy`` that saves the kernel a slower copy costs more CPU than
-    it saves there (docs/performance.md, "When the cores are shared"; ``create`` picks the socket buffers
-    by the same rule)."""
-    ranks_here = 1 + sum(1 for ln in links if _on_this_machine(ln.sock))
-    return ranks_here > usable_cpus()
-
-
 def create(
     store: Store,
     rank: int,
@@ -402,7 +355,7 @@ def create(
     *,
     timeout: float = 300.0,
     host: str = "127.0.0.1",
-    sockbuf: int | None = None,
+    sockbuf: int = SOCKBUF,
     key_prefix: str = "tcp",
     secret: bytes | str | None = None,
     ssl_context: ssl.SSLContext | tuple[ssl.SSLContext, ssl.SSLContext] | None = None,
@@ -425,14 +378,8 @@ def create(
     or a ``(server, client)`` pair (``tls_contexts``
     makes one for mutual TLS); every link then runs inside TLS.
     ``heartbeat_s`` and ``link_timeout`` say how fast a silent peer is found
-    (module docstring). ``sockbuf``: every link's ``SO_SNDBUF`` and
-    ``SO_RCVBUF``, set before it connects; by default ``SOCKBUF`` (4 MiB),
-    and ``SHARED_SOCKBUF`` (256 KiB) where ``host`` is a loopback address
-    (so every rank is on this machine) and the group has more ranks than
-    this process has CPUs.
+    (module docstring).
     """
-    if sockbuf is None:
-        sockbuf = SHARED_SOCKBUF if _loopback(host) and size > usable_cpus() else SOCKBUF
     socks = connect(store, rank, size, Deadline(timeout), host=host, sockbuf=sockbuf, key_prefix=key_prefix,
                     key=_auth.resolve(secret), tls=sec.tls_pair(ssl_context))
     try:

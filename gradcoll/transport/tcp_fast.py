@@ -82,7 +82,6 @@ STAGE_BYTES = 256 << 10
 #: Frames with a payload of at least ``STAGE_MIN`` and at most ``STAGE_MAX`` bytes are offered the staging
 #: buffer. Smaller ones are not worth a look; larger ones do not stay in the cache, where the extra copy cost
 #: more than the slow one saved (on 2 ranks at 16 MiB: docs/performance.md, "the page offset of a send").
-#: No frame is, where the machine has more of the group's ranks than CPUs (``TcpTransport.stage_sends``).
 STAGE_MIN = 64 << 10
 STAGE_MAX = 8 << 20
 
@@ -145,7 +144,7 @@ def exchange_reduce(t: Any, io: ModuleType, peer: int, acc: np.ndarray, tmp: np.
         out, sent, got, serr, rerr, eof, hdr, red, fin, bad = io.exchange(
             link.fd, t._wake_fd, acc, tmp, tag, sseq, rseq, max(t._spin, STEP_SPIN_S), -1.0 if limit is None else limit, divisor,
             check_input and not copy, check, PIECE_BYTES, _ring(t), src, copy,
-            _stage(t) if t.stage_sends and (acc if src is None else src).nbytes <= STAGE_MAX else None)
+            _stage(t) if (acc if src is None else src).nbytes <= STAGE_MAX else None)
     except BaseException:  # refused its arrays: nothing moved
         _release(t, link, sseq, rseq)
         raise

@@ -466,3 +466,17 @@ def test_framed_absent_rank_and_nonfinite(kind: str, algo: str) -> None:
 
     for e in run_framed(kind, 3, nan):
         assert isinstance(e, NonFiniteError) and (e.contributor, e.index, e.seq) == (2, 999, 9), e
+
+
+@pytest.mark.parametrize("algo", ["recursive_doubling", "ring"])
+def test_an_absent_rank_is_named_when_the_frames_outgrow_the_socket_buffers(algo: str) -> None:
+    """Rank 2's frame to rank 0 (24 MB, more than the two socket buffers hold) is cut off by the deadline while
+    rank 0 itself waits for the absent rank 1: rank 0 must not take rank 2 for dead."""
+    def absent(r: int, t: Any) -> Any:
+        if r != 1:
+            return ALLREDUCE[algo](t, np.ones(6_000_000, np.float32), seq=2, timeout=3.0)
+
+    errors = run_framed("tcp", 4, absent)
+    for r in (0, 2, 3):
+        e = errors[r]
+        assert isinstance(e, CollectiveTimeout) and e.missing == [1] and e.seq == 2, (r, e)

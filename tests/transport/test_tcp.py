@@ -123,50 +123,7 @@ def test_binds_loopback_and_sets_socket_options(pair) -> None:
     assert link.sock.getsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY)
     with open("/proc/sys/net/core/wmem_max") as f:
         cap = int(f.read())
-    want = tcp.SHARED_SOCKBUF if pair[0].cores_shared else tcp.SOCKBUF
-    assert link.sock.getsockopt(socket.SOL_SOCKET, socket.SO_SNDBUF) >= min(want, cap)
-
-
-def _buffers(t) -> tuple[int, int]:
-    sock = t._links[1 - t.rank].sock
-    return sock.getsockopt(socket.SOL_SOCKET, socket.SO_SNDBUF), sock.getsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF)
-
-
-@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="reads Linux's socket buffer limits")
-def test_a_loopback_group_with_more_ranks_than_cpus_gets_smaller_socket_buffers(monkeypatch) -> None:
-    """With every rank on this machine and the cores the limit, the links get SHARED_SOCKBUF, not SOCKBUF;
-    a ``sockbuf`` given is kept (Linux reports twice what was set, capped by wmem_max/rmem_max)."""
-    with open("/proc/sys/net/core/wmem_max") as f:
-        wcap = int(f.read())
-    with open("/proc/sys/net/core/rmem_max") as f:
-        rcap = int(f.read())
-    monkeypatch.setattr(tcp, "usable_cpus", lambda: 1)  # two ranks here, one CPU
-    for options, size in (({}, tcp.SHARED_SOCKBUF), ({"sockbuf": 3 << 20}, 3 << 20)):
-        group = threaded_group(tcp.create, 2, timeout=10, **options)
-        try:
-            assert all(t.cores_shared and not t.stage_sends for t in group)
-            assert all(_buffers(t) == (2 * min(size, wcap), 2 * min(size, rcap)) for t in group)
-            data = np.arange(300_000, dtype=np.float32)
-            outs = [np.empty_like(data), np.empty_like(data)]
-            run_ranks([lambda t: t.sendrecv(1, data, 1, outs[0], timeout=10),
-                       lambda t: t.sendrecv(0, data * 2, 0, outs[1], timeout=10)], group, timeout=20)
-            assert np.array_equal(outs[0], data * 2) and np.array_equal(outs[1], data)
-        finally:
-            for t in group:
-                t.close()
-    monkeypatch.setattr(tcp, "usable_cpus", lambda: 2)
-    group = threaded_group(tcp.create, 2, timeout=10)
-    try:
-        assert not any(t.cores_shared for t in group) and all(t.stage_sends for t in group)
-        assert all(_buffers(t) == (2 * min(tcp.SOCKBUF, wcap), 2 * min(tcp.SOCKBUF, rcap)) for t in group)
-    finally:
-        for t in group:
-            t.close()
-
-
-def test_only_a_loopback_host_means_every_rank_is_here() -> None:
-    assert tcp._loopback("127.0.0.1") and tcp._loopback("::1") and tcp._loopback("localhost")
-    assert not tcp._loopback("10.1.2.3") and not tcp._loopback("0.0.0.0") and not tcp._loopback("node7")
+    assert link.sock.getsockopt(socket.SOL_SOCKET, socket.SO_SNDBUF) >= min(tcp.SOCKBUF, cap)
 
 
 def test_bootstrap_times_out_naming_the_missing_peer() -> None:

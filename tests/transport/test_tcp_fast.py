@@ -12,7 +12,6 @@ import socket
 import struct
 import threading
 import time
-from types import SimpleNamespace
 from typing import Any
 
 import numpy as np
@@ -538,7 +537,6 @@ def test_which_sources_the_send_stages(offset, staged) -> None:
 @pytest.mark.parametrize("m", [1000, 300_001])  # the second: more than the stage holds, and partial sends
 def test_a_staged_step_puts_the_same_bytes_on_the_wire(offset, m) -> None:
     t, peer = _pair(64 << 10, 4 << 20)
-    t.stage_sends = True  # (whatever this machine's CPUs)
     try:
         acc = at_page_offset(m, np.float32, offset)
         acc[:] = np.arange(m, dtype=np.float32) * np.float32(0.75) - 5
@@ -556,53 +554,9 @@ def test_a_staged_step_puts_the_same_bytes_on_the_wire(offset, m) -> None:
         peer.close()
 
 
-def test_the_cores_are_shared_where_the_machine_has_more_ranks_than_cpus(monkeypatch) -> None:
-    """Then sends skip the staging copy (it costs CPU) and the local links get smaller socket buffers."""
-    listener = socket.create_server(("127.0.0.1", 0))
-    dialled = socket.create_connection(listener.getsockname(), timeout=10)
-    accepted, _ = listener.accept()
-    listener.close()
-    pair = socket.socketpair()
-    try:
-        monkeypatch.setattr(tcp, "usable_cpus", lambda: 2)
-        assert tcp._on_this_machine(dialled) and tcp._on_this_machine(pair[0])
-        links = [SimpleNamespace(sock=s) for s in (dialled, pair[0])]
-        assert not tcp.cores_shared(links[:1]) and tcp.cores_shared(links)  # 2 ranks here, 2 CPUs; then 3
-        monkeypatch.setattr(tcp, "usable_cpus", lambda: 3)
-        assert not tcp.cores_shared(links)
-        gone = socket.socket()  # not connected: not counted as on this machine
-        assert not tcp._on_this_machine(gone)
-        gone.close()
-    finally:
-        for s in (dialled, accepted, *pair):
-            s.close()
-
-
-def test_a_step_with_staging_off_sends_from_the_array_itself() -> None:
-    t, peer = _pair(64 << 10, 4 << 20)
-    t.stage_sends = False
-    try:
-        m = 300_001
-        acc = at_page_offset(m, np.float32, 16)  # a source the step would otherwise stage
-        acc[:] = np.arange(m, dtype=np.float32) - 7
-        mine, theirs = acc.copy(), (np.arange(m, dtype=np.float32) % 31).astype(np.float32)
-        peer.sendall(_frame(0, theirs))
-        result: list[Any] = []
-        th = threading.Thread(target=lambda: result.append(_step(t, acc)))
-        th.start()
-        assert _read(peer, 24 + 4 * m) == _frame(0, mine)
-        th.join(10)
-        assert result == [REDUCED] and acc.tobytes() == (mine + theirs).tobytes()
-        assert "_step_stage" not in t.__dict__  # the staging buffer was never made
-    finally:
-        t.close()
-        peer.close()
-
-
 @pytest.mark.parametrize("offset", [16, 2048])
 def test_a_staged_frame_send_puts_the_same_bytes_on_the_wire(raw, offset) -> None:
     t, peer = raw
-    t.stage_sends = True
     m = 400_003
     buf = at_page_offset(m, np.float32, offset)
     buf[:] = np.arange(m, dtype=np.float32) * np.float32(-0.5)
