@@ -11,64 +11,16 @@ the codec's business (``gradcoll.transport.frame``).
 from __future__ import annotations
 
 import threading
-from collections import deque
 from collections.abc import Callable, Iterable
 from typing import Any
 
 from .._util import Deadline
 from ..errors import CollectiveTimeout, ProtocolError, TransportAborted, TransportClosed
 from . import frame as fr
-from .base import QueuedRequest, Request, Transport, as_bytes_view, as_writable_view
+from ._ops import Link, Op, all_done, detach, withdraw
+from .base import Request, Transport, as_bytes_view, as_writable_view
 
 __all__ = ["Op", "Link", "FramedTransport"]
-
-
-class Op(QueuedRequest):
-    """One queued send or receive; ``off`` counts bytes moved, header included."""
-
-    __slots__ = ("_t", "link", "is_send", "view", "tag", "total", "off", "hdr", "seq", "done", "error", "stray",
-                 "ext")
-
-    def __init__(self, t: "FramedTransport", link: "Link", is_send: bool, view: memoryview, tag: int) -> None:
-        self._t, self.link, self.is_send, self.view, self.tag = t, link, is_send, view, tag
-        self.total = len(view)
-        self.off = 0
-        self.hdr: Any = None
-        self.seq = -1
-        self.done = False
-        self.error: BaseException | None = None
-        self.stray: Any = None  # (tag, expected length) once a lenient receive is redirected to a stray frame
-        self.ext: Any = None  # a secure tcp link's frame state (gradcoll.transport.tcp_secure)
-
-    def describe(self, with_peer: bool = True) -> str:
-        """E.g. ``recv from peer 2 (seq 7, tag 0, 4096 bytes)``."""
-        where = ("send", "to") if self.is_send else ("recv", "from")
-        seq = f"seq {self.seq}, " if self.seq >= 0 else ""
-        peer = f" {where[1]} peer {self.link.peer}" if with_peer else ""
-        return f"{where[0]}{peer} ({seq}tag {self.tag}, {self.total} bytes)"
-
-
-def _all_done(ops: tuple[Op, ...]) -> bool:
-    """True when every op is done, or one of them failed (a sendrecv whose receive failed ends; its send goes
-    on in the background, like any op left behind by a failed collective)."""
-    done = True
-    for op in ops:
-        if not op.done:
-            done = False
-        elif op.error is not None:
-            return True
-    return done
-
-
-class Link:
-    """Per-peer queues and sequence numbers; subclasses add the medium (socket, ring)."""
-
-    def __init__(self, peer: int) -> None:
-        self.peer = peer
-        self.sendq: deque[Op] = deque()
-        self.recvq: deque[Op] = deque()
-        self.send_seq = self.recv_seq = 0
-        self.failure: tuple[type, str] | None = None  # sticky (exception class, reason)
 
 
 class FramedTransport(Transport):
@@ -171,12 +123,12 @@ class FramedTransport(Transport):
     def _wait(self, ops: Iterable[Op], timeout: float | None) -> int:
         """Wait for ``ops``: drive I/O if no other thread does, else sleep until the driver finishes them."""
         ops = tuple(ops)
-        if _all_done(ops):  # finished inline; ``done`` is only set under the lock
+        if all_done(ops):  # finished inline; ``done`` is only set under the lock
             return self._result(ops)
         deadline = Deadline(self._timeout(timeout))
         mu = self._mu
         with mu:
-            while self._driving and not _all_done(ops):
+            while self._driving and not all_done(ops):
                 if self._woken is not None:
                     raise self._woken_error(ops)
                 if deadline.expired():
@@ -186,7 +138,7 @@ class FramedTransport(Transport):
                     self._cv.wait(deadline.remaining())
                 finally:
                     self._sleepers -= 1
-            if _all_done(ops):
+            if all_done(ops):
                 return self._result(ops)
             self._driving, idle = True, 0  # idle: consecutive rounds without progress
             try:
@@ -197,7 +149,7 @@ class FramedTransport(Transport):
                             self._cv.notify_all()
                     else:
                         idle += 1
-                    if _all_done(ops):
+                    if all_done(ops):
                         break
                     if self._woken is not None:
                         raise self._woken_error(ops)
@@ -319,16 +271,20 @@ class FramedTransport(Transport):
 
         One no byte of which has moved is withdrawn (its link stays in step).
         One half way through a frame goes on in the background, like any op
-        a failed collective leaves behind, and the wait that waits for it
-        raises ``error`` instead (once: the next wait of this transport).
+        a failed collective leaves behind, from a copy of its buffer
+        (``_detach``), and the wait that waits for it raises ``error``
+        instead (once: the next wait of this transport).
         """
         n = 0
         with self._mu:
             for link in self._links:
-                for op in [op for op in (*link.sendq, *link.recvq) if op.off == 0] if link is not None else ():
-                    self._withdraw(op)
-                    op.error, op.done = error(link.peer), True  # type: ignore[union-attr]
-                    n += 1
+                for op in (*link.sendq, *link.recvq) if link is not None else ():
+                    if op.off == 0:
+                        withdraw(op)
+                        op.error, op.done = error(link.peer), True  # type: ignore[union-attr]
+                        n += 1
+                    elif not op.done:
+                        detach(op)
             self._woken = error
             self._wake_driver()
             self._cv.notify_all()
@@ -338,26 +294,18 @@ class FramedTransport(Transport):
         """The error ``interrupt`` left for the next wait (lock held); it is used once."""
         error, self._woken = self._woken, None
         assert error is not None
+        for op in ops:  # queued after the interrupt (a compiled step handing over): they go on from a copy too
+            if op.off and not op.done:
+                detach(op)
         return error(next(op for op in ops if not op.done).link.peer)
 
     def _cancel(self, op: Op) -> bool:
         """``Request.cancel``: withdraw ``op`` if no byte of it has moved (its ``wait`` then returns 0)."""
         with self._mu:
             if not op.done and op.off == 0:
-                self._withdraw(op)
+                withdraw(op)
                 op.total, op.done = 0, True  # it moved nothing
             return op.done
-
-    @staticmethod
-    def _withdraw(op: Op) -> None:
-        """Take ``op``, no byte of which has moved, off its queue (lock held); the link stays in step."""
-        link = op.link
-        if op.is_send:
-            link.sendq.remove(op)
-            if op.seq >= 0:  # numbered at the head of the queue but never sent: the next send reuses it
-                link.send_seq = op.seq
-        else:
-            link.recvq.remove(op)
 
     def _expire(self, ops: tuple[Op, ...], timeout: float | None) -> None:
         """With the lock held after the deadline: cancel what is unfinished and raise."""
@@ -370,13 +318,14 @@ class FramedTransport(Transport):
                 # Part of the frame is out: the rest goes on in the background (the queue keeps it, later waits
                 # drive it), so the link stays in step. A peer that was itself stuck waiting for a third rank
                 # reads it as a stray frame of the failed call, then this rank's error record: dropping the link
-                # instead would look to it like this rank's death.
-                pass
+                # instead would look to it like this rank's death. It goes from a copy: the caller has its
+                # buffer back, and what it writes there must not reach a peer as part of this frame.
+                detach(op)
             elif op.off:  # bytes of a frame already read: the stream can no longer be trusted
                 reason = f"link abandoned mid-message after a timeout in {op.describe()}"
                 self._fail(op.link, TransportAborted, reason, err, fr.ABORT_TIMEOUT)
             else:
-                self._withdraw(op)
+                withdraw(op)
             op.error, op.done = err, True
             first = first or err
         if first is not None:

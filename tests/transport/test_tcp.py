@@ -190,6 +190,7 @@ def test_a_send_that_timed_out_half_way_finishes_in_the_background(raw) -> None:
     with pytest.raises(CollectiveTimeout, match="peer 1"):
         t.send(1, data, tag=3, timeout=0.2)
     assert t._links[1].failure is None
+    sent, data[:] = data.copy(), 0  # the caller has its buffer back: what it writes now is not sent
     later = t.isend(1, b"record", tag=4)  # queued behind the rest of the first frame
     assert _read_exactly(peer, fr.HEADER_SIZE) == fr.pack_header(0, 3, data.nbytes)
     got = np.empty_like(data)
@@ -201,8 +202,29 @@ def test_a_send_that_timed_out_half_way_finishes_in_the_background(raw) -> None:
         if n < data.nbytes:
             later.test()
     later.wait(5)
-    assert (got == data).all()
+    assert (got == sent).all()
     assert _read_exactly(peer, fr.HEADER_SIZE + 6) == fr.pack_header(1, 4, 6) + b"record"
+
+
+def test_an_interrupted_receive_half_way_lands_the_rest_in_a_copy(raw) -> None:
+    """After ``interrupt`` the caller has its buffer back: the rest of the frame never lands over what it writes."""
+    t, peer = raw
+    out = np.zeros(1 << 16, np.uint8)
+    req = t.irecv(1, out, tag=3)
+    peer.sendall(fr.pack_header(0, 3, out.nbytes) + bytes([1]) * 1000)
+    for _ in range(1000):  # drive the receive until the first bytes are in
+        req.test()
+        if out[0] == 1:
+            break
+    assert out[0] == 1 and not req.test()
+    t.interrupt(lambda p: CollectiveTimeout(f"woken for peer {p}", missing=[p]))
+    with pytest.raises(CollectiveTimeout, match="woken for peer 1"):
+        req.wait(5)
+    out[:] = 7
+    peer.sendall(bytes([1]) * (out.nbytes - 1000) + fr.pack_header(1, 4, 3) + b"abc")
+    nxt = bytearray(3)
+    assert t.recv(1, nxt, tag=4, timeout=5) == 3 and nxt == b"abc"  # the link stayed in step
+    assert (out == 7).all()
 
 
 @pytest.mark.parametrize(

@@ -332,3 +332,30 @@ def test_ssl_context_must_be_contexts(certs: dict[str, tuple[str, str]]) -> None
     for bad in ("cert.pem", (server,), (client, server)):
         with pytest.raises(UsageError, match="ssl_context"):
             tcp.create(HashStore(1), 0, 1, timeout=1, ssl_context=bad)
+
+
+def test_a_tagged_send_that_timed_out_half_way_finishes_from_a_copy(mode: str) -> None:
+    """The rest of the frame goes on in the background from a copy: its tag still matches, and what the caller
+    writes into its buffer afterwards never reaches the peer."""
+    a, b = _tcp_pair()
+    ts = [tcp.TcpTransport(0, 2, {1: Linked(a, K01, K10)}, timeout=10),
+          tcp.TcpTransport(1, 2, {0: Linked(b, K10, K01)}, timeout=10)]
+    try:
+        data = np.arange(1 << 21, dtype=np.uint32)  # 8 MiB: more than both socket buffers hold; rank 1 reads none
+        with pytest.raises(CollectiveTimeout, match="peer 1"):
+            ts[0].send(1, data, tag=3, timeout=0.2)
+        sent, data[:] = data.copy(), 0
+        got, record = np.empty_like(data), bytearray(6)
+
+        def rank(r: int) -> None:
+            if r == 0:  # its wait drives the rest of the first frame out ahead of this one
+                ts[0].send(1, b"record", tag=4, timeout=10)
+            else:
+                ts[1].recv(0, got, tag=3, timeout=10)
+                ts[1].recv(0, record, tag=4, timeout=10)
+
+        assert gather_ranks(rank, 2, join_timeout=30)[1] == [None, None]
+        assert (got == sent).all() and record == b"record"
+    finally:
+        for t in ts:
+            t.close()
