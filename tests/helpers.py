@@ -96,9 +96,31 @@ def mpi_skip_reason() -> str | None:
 
 def run_mpi(scenario: str, n: int = 2, timeout: float = 60.0) -> subprocess.CompletedProcess:
     """Run ``scenario`` of this file on ``n`` MPI ranks; kill the job after ``timeout`` seconds."""
-    cmd = ["mpirun", "--allow-run-as-root", "--oversubscribe", "-n", str(n), sys.executable, os.path.abspath(__file__), scenario]
+    return run_mpirun([sys.executable, os.path.abspath(__file__), scenario], n, timeout)
+
+
+def run_mpirun(argv: list[str], n: int, timeout: float) -> subprocess.CompletedProcess:
+    """``mpirun -n n argv`` with its output; after ``timeout`` seconds its whole process group is killed.
+
+    Killing only mpirun can leave ranks running that hold its output pipes
+    (the test then waits for them past any timeout) and take the cores of
+    the next job; the job runs in a session of its own, and a job that ran
+    out of time returns ``-9`` with what it printed and a line saying so.
+    """
+    cmd = ["mpirun", "--allow-run-as-root", "--oversubscribe", "-n", str(n), *argv]
     env = dict(os.environ, OMPI_MCA_btl_base_warn_component_unused="0", OMPI_MCA_rmaps_base_oversubscribe="1")
-    return subprocess.run(cmd, capture_output=True, text=True, timeout=timeout, env=env)
+    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env,
+                            start_new_session=True)
+    try:
+        out, err = proc.communicate(timeout=timeout)
+    except subprocess.TimeoutExpired:
+        try:
+            os.killpg(proc.pid, 9)
+        except ProcessLookupError:
+            pass
+        out, err = proc.communicate(timeout=10)
+        return subprocess.CompletedProcess(cmd, -9, out, err + f"\nmpirun -n {n} killed after {timeout} s\n")
+    return subprocess.CompletedProcess(cmd, proc.returncode, out, err)
 
 
 def mpi_reports(out: str, what: str) -> dict[str, list[str]]:

@@ -271,9 +271,11 @@ class FramedTransport(Transport):
 
         One no byte of which has moved is withdrawn (its link stays in step).
         One half way through a frame goes on in the background, like any op
-        a failed collective leaves behind, from a copy of its buffer
-        (``_detach``), and the wait that waits for it raises ``error``
-        instead (once: the next wait of this transport).
+        a failed collective leaves behind (a send from a copy of its buffer,
+        ``detach``), and the wait that waits for it raises ``error`` instead
+        (once: the next wait of this transport). A receive goes on into its
+        own buffer: a later wait for it may still complete it and use the
+        data (an alarm that turns out not to concern this call).
         """
         n = 0
         with self._mu:
@@ -283,7 +285,7 @@ class FramedTransport(Transport):
                         withdraw(op)
                         op.error, op.done = error(link.peer), True  # type: ignore[union-attr]
                         n += 1
-                    elif not op.done:
+                    elif op.is_send and not op.done:
                         detach(op)
             self._woken = error
             self._wake_driver()
@@ -295,7 +297,7 @@ class FramedTransport(Transport):
         error, self._woken = self._woken, None
         assert error is not None
         for op in ops:  # queued after the interrupt (a compiled step handing over): they go on from a copy too
-            if op.off and not op.done:
+            if op.is_send and op.off and not op.done:
                 detach(op)
         return error(next(op for op in ops if not op.done).link.peer)
 

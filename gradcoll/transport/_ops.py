@@ -3,8 +3,8 @@
 An ``Op`` is one queued send or receive; a ``Link`` holds a peer's two
 queues, its sequence numbers and its sticky failure. ``withdraw`` and
 ``detach`` are what a failed call does to an op it leaves behind: take it
-off its queue when no byte of it has moved, or let it go on from a copy of
-the caller's buffer when some have.
+off its queue when no byte of it has moved, or let a send go on from a copy
+of the caller's buffer when some have.
 """
 
 from __future__ import annotations
@@ -77,12 +77,9 @@ def withdraw(op: Op) -> None:
 
 
 def detach(op: Op) -> None:
-    """Let ``op``, half way through its frame, go on in the background from a copy of its buffer (lock held).
-
-    Its caller has the buffer back once the call failed: what it writes
-    there must not reach a peer as the rest of a sent frame, and the rest
-    of a received one must not land over what it wrote.
-    """
+    """Let the send ``op``, half way through its frame, go on in the background from a copy of its buffer (lock
+    held): its caller has the buffer back once the call failed, and what it writes there must not reach a peer
+    as the rest of the frame."""
     old, op.view = op.view, memoryview(bytearray(op.view))
     if isinstance(op.hdr, list):  # a secure link's frame pieces hold the payload's view too
         op.hdr = [op.view if piece is old else piece for piece in op.hdr]

@@ -381,8 +381,8 @@ class Transport(abc.ABC):
         finish (a peer published an error record): its wait returns at once
         instead of at its timeout. An operation no byte of which has moved
         is withdrawn (its link stays in step); one half way through a frame
-        goes on from a copy of its buffer (the caller has it back), and the
-        wait for it raises the error; transports that cannot, return 0.
+        goes on (a send from a copy of its buffer), and the wait for it
+        raises the error; transports that cannot, return 0.
         """
         return 0
 

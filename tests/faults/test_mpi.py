@@ -11,14 +11,13 @@ from __future__ import annotations
 
 import os
 import re
-import subprocess
 import sys
 import time
 
 import pytest
 
 from tests.faults.conftest import FULL, REPEATS
-from tests.helpers import mpi_skip_reason
+from tests.helpers import mpi_skip_reason, run_mpirun
 
 pytestmark = [pytest.mark.mpi, pytest.mark.timeout(60 + 40 * REPEATS)]
 SCRIPT = os.path.join(os.path.dirname(os.path.abspath(__file__)), "_mpi_rank.py")
@@ -42,11 +41,9 @@ def test_events_are_found_when_lines_interleave():
 @pytest.mark.skipif(mpi_skip_reason() is not None, reason=str(mpi_skip_reason()))
 @pytest.mark.parametrize("algorithm", ALGORITHMS)
 def test_mpirun_ends_the_job_when_a_rank_dies(algorithm, fault_log):
-    cmd = ["mpirun", "--allow-run-as-root", "--oversubscribe", "-n", "4", sys.executable, SCRIPT, algorithm]
-    env = dict(os.environ, OMPI_MCA_btl_base_warn_component_unused="0", OMPI_MCA_rmaps_base_oversubscribe="1")
     for _ in range(REPEATS):
         t0 = time.monotonic()
-        res = subprocess.run(cmd, capture_output=True, text=True, timeout=60, env=env)
+        res = run_mpirun([sys.executable, SCRIPT, algorithm], 4, timeout=60)
         t_end = time.monotonic()
         events = parse_events(res.stdout)
         kills = [float(e[3]) for e in events if e[2] == "kill"]

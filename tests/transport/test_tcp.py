@@ -206,25 +206,35 @@ def test_a_send_that_timed_out_half_way_finishes_in_the_background(raw) -> None:
     assert _read_exactly(peer, fr.HEADER_SIZE + 6) == fr.pack_header(1, 4, 6) + b"record"
 
 
-def test_an_interrupted_receive_half_way_lands_the_rest_in_a_copy(raw) -> None:
-    """After ``interrupt`` the caller has its buffer back: the rest of the frame never lands over what it writes."""
+def test_an_interrupted_send_half_way_finishes_from_a_copy_and_a_receive_into_its_buffer(raw) -> None:
+    """After ``interrupt`` the caller has its send buffer back: the rest of the frame is what it held then. A
+    receive half way through goes on into its own buffer: a later wait completes it with the peer's bytes."""
     t, peer = raw
-    out = np.zeros(1 << 16, np.uint8)
-    req = t.irecv(1, out, tag=3)
-    peer.sendall(fr.pack_header(0, 3, out.nbytes) + bytes([1]) * 1000)
-    for _ in range(1000):  # drive the receive until the first bytes are in
-        req.test()
-        if out[0] == 1:
+    peer.settimeout(10)
+    data = np.arange(1 << 21, dtype=np.uint32)  # 8 MiB: more than both socket buffers hold
+    inbox = np.zeros(1 << 16, np.uint8)
+    send, recv = t.isend(1, data, tag=3), t.irecv(1, inbox, tag=5)
+    peer.sendall(fr.pack_header(0, 5, inbox.nbytes) + bytes([1]) * 1000)
+    for _ in range(1000):  # drive both until the receive's first bytes are in
+        send.test()
+        if inbox[0] == 1:
             break
-    assert out[0] == 1 and not req.test()
+    assert inbox[0] == 1 and not recv.test() and not send.test()
     t.interrupt(lambda p: CollectiveTimeout(f"woken for peer {p}", missing=[p]))
     with pytest.raises(CollectiveTimeout, match="woken for peer 1"):
-        req.wait(5)
-    out[:] = 7
-    peer.sendall(bytes([1]) * (out.nbytes - 1000) + fr.pack_header(1, 4, 3) + b"abc")
-    nxt = bytearray(3)
-    assert t.recv(1, nxt, tag=4, timeout=5) == 3 and nxt == b"abc"  # the link stayed in step
-    assert (out == 7).all()
+        send.wait(5)
+    sent, data[:] = data.copy(), 0
+    peer.sendall(bytes([2]) * (inbox.nbytes - 1000))
+    assert recv.wait(5) == inbox.nbytes and (inbox[:1000] == 1).all() and (inbox[1000:] == 2).all()
+    assert _read_exactly(peer, fr.HEADER_SIZE) == fr.pack_header(0, 3, data.nbytes)
+    got = np.empty_like(data)
+    view, n = memoryview(got).cast("B"), 0
+    while n < data.nbytes:
+        part = peer.recv_into(view[n:])
+        assert part, "the transport dropped the link"
+        n += part
+        send.test()
+    assert (got == sent).all()
 
 
 @pytest.mark.parametrize(
