@@ -126,9 +126,13 @@ def run_mpirun(argv: list[str], n: int, timeout: float) -> subprocess.CompletedP
 def mpi_reports(out: str, what: str) -> dict[str, list[str]]:
     """Each rank's ``rank R OK N <what>: names`` report in ``out``, as ``{R: names}``.
 
-    mpirun forwards every rank's stdout through one stream, so one rank's line may run into another's.
+    mpirun forwards every rank's stdout through one stream, so one rank's line may run into another's, and
+    terminal escapes may follow a name. Each name is one run of letters that stops where another rank's
+    report starts: one way to match, so the time is linear in the output (nested repeats that could split a
+    line of names many ways took minutes when an escape ended one).
     """
-    found = re.findall(r"rank (\d+) OK \d+ " + re.escape(what) + r": ((?:[a-z_]+ ?)+?)(?=rank \d+ OK|\n|$)", out)
+    name = r"(?:(?!rank \d+ OK)[a-z_])+"
+    found = re.findall(r"rank (\d+) OK \d+ " + re.escape(what) + f": ({name}(?: {name})*)", out)
     return {r: names.split() for r, names in found}
 
 

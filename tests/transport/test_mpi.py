@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import re
 import sys
+import time
 
 import pytest
 
@@ -65,3 +66,14 @@ def test_every_allreduce_over_links_gives_exact_sums_and_names_a_bad_input_over_
 
 def test_skip_message_names_the_install() -> None:
     assert "pip install gradcoll[mpi]" in MPI_HINT and "Open MPI" in MPI_HINT
+
+
+def test_reports_are_read_in_linear_time_whatever_follows_them() -> None:
+    """mpirun's stream: lines run into each other, and a terminal escape may end one (this took minutes)."""
+    names = "ring star recursive_doubling halving_doubling"
+    out = (f"rank 3 OK 4 algorithms: {names}\n\x1b[0mrank 1 OK 4 algorithms: {names}rank 2 OK 4 algorithms: "
+           f"{names}\x1b[0m\nrank 0 OK 4 algorithms: {names} \x1b[0m\n") * 50
+    t0 = time.monotonic()
+    reports = mpi_reports(out, "algorithms")
+    assert time.monotonic() - t0 < 1.0
+    assert reports == {r: names.split() for r in "0123"}
