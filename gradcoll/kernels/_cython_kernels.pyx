@@ -39,16 +39,39 @@ cdef extern from "_fused.h" nogil:
     int gc_acc_bf16(float* acc, const uint16_t* w, gc_ssize m, float d, int mode, int decode_only)
     int gc_acc_fp16(float* acc, const uint16_t* w, const float* table, gc_ssize m, float d, int mode, int decode_only)
     int gc_set_simd_cap(int cap)
+    int gc_set_fp512(int on)
 
 cdef enum:
     STACK_PTRS = 64
     # Below this many elements moved the GIL is kept: releasing and taking it back costs more than the work.
     NOGIL_ELEMS = 32768
 
-#: Outputs of at least this many bytes are written with non-temporal stores: an output as large as the
-#: last-level cache (32 MiB on the CI machine) cannot stay in it anyway, and these stores skip reading every
-#: output line before it is overwritten. ``set_stream_bytes`` changes it (benches/bench_kernels.py --stream-bytes).
-STREAM_BYTES = 32 << 20
+def _last_level_cache_bytes():
+    """The largest cache the kernel reports for CPU 0 (``/sys/devices/system/cpu/cpu0/cache``), or 0."""
+    import glob
+
+    best = 0
+    for d in glob.glob("/sys/devices/system/cpu/cpu0/cache/index*"):
+        try:
+            with open(d + "/size") as f:
+                text = f.read().strip().upper()
+        except OSError:
+            continue
+        scale = {"K": 1 << 10, "M": 1 << 20, "G": 1 << 30}.get(text[-1:], 1)
+        digits = text.rstrip("KMG")
+        if digits.isdigit():
+            best = max(best, int(digits) * scale)
+    return best
+
+
+#: Outputs of at least this many bytes are written with non-temporal stores: the last-level cache's size
+#: (at least 32 MiB, the CI machine's L3). An output as large cannot stay in it anyway, and these stores skip
+#: reading every output line before it is overwritten. A smaller one is better written through the cache: the
+#: next reader finds it there, and a non-temporal store must first evict a line that is already cached (on a
+#: machine with a 480 MiB L3, a 40 MB output written that way took 0.72-0.92x the plain loop's time, with
+#: 21-50% spread, against 1.10-1.13x written through the cache: docs/kernels.md, "Non-temporal stores").
+#: ``set_stream_bytes`` changes it (benches/bench_kernels.py --stream-bytes).
+STREAM_BYTES = max(32 << 20, _last_level_cache_bytes())
 cdef Py_ssize_t _stream_bytes = STREAM_BYTES
 
 
@@ -56,6 +79,12 @@ def simd_level(int cap=-1):
     """The widest vector loops this module's kernels run (2 AVX-512, 1 AVX2, 0 neither), after lowering
     them to at most ``cap`` when it is given (the tests run every level the CPU has; 2 restores them)."""
     return gc_set_simd_cap(cap)
+
+
+def fp512(int on=-1):
+    """Whether the 512-bit floating-point loops run (the CPU's default: not on Intel CPUs, see ``_fused.h``'s
+    ``gc_fp512``), after setting it to ``on`` (0 or 1) when it is given."""
+    return bool(gc_set_fp512(on))
 
 
 def set_stream_bytes(Py_ssize_t nbytes):

@@ -325,6 +325,7 @@ static inline uint32_t gc_fp16(uint32_t u) {
 #define GC_F16C 1
 #include <cpuid.h>
 #include <immintrin.h>
+#include <stdlib.h>
 
 /* The widest level of vector loops the CPU has (2: AVX-512 F and BW, 1: AVX2 with F16C, 0: neither),
  * capped by gc_simd_cap, which the tests lower to run every level this CPU has against the reference. */
@@ -351,6 +352,40 @@ static int gc_set_simd_cap(int cap) {
     if (cap >= 0)
         gc_simd_cap = cap;
     return gc_simd();
+}
+
+/* Whether the 512-bit loops that do floating-point work (adds, multiplies, fp16 conversions) run. Not on
+ * Intel CPUs, unless GRADCOLL_FP512=1: there a core that has not run such instructions for a few
+ * microseconds runs the next ones slowly for a while (its 512-bit units power up, its frequency licence
+ * changes), which cost 2.3-3 us on every call of a 1e3-1e5-element accumulate, fp16 encode or bf16
+ * accumulate interleaved with other work, and the loops were no faster than the AVX2 ones when warm
+ * (docs/kernels.md, "512-bit floating point on Intel CPUs"); glibc's string functions and LLVM's vectoriser
+ * keep to 256 bits there for the same reason. The integer-only 512-bit loop (the bf16 encode) paid nothing
+ * and still runs. GRADCOLL_FP512=0 turns them off elsewhere too. */
+static int gc_fp512_state = -1;
+
+static int gc_fp512(void) {
+    if (gc_fp512_state < 0) {  /* a benign race: every thread computes the same answer */
+        unsigned a = 0, b = 0, c = 0, d = 0;
+        const char *env = getenv("GRADCOLL_FP512");
+        int intel = __get_cpuid(0, &a, &b, &c, &d) && b == 0x756e6547u && d == 0x49656e69u && c == 0x6c65746eu;
+        gc_fp512_state = env != NULL && (env[0] == '0' || env[0] == '1') ? env[0] == '1' : !intel;
+    }
+    return gc_fp512_state;
+}
+
+/* The level of the floating-point loops: gc_simd(), without the 512-bit ones where gc_fp512() says no. */
+static int gc_simd_fp(void) {
+    int s = gc_simd();
+    return s >= 2 && !gc_fp512() ? 1 : s;
+}
+
+/* Set whether the 512-bit floating-point loops run (0 or 1; the tests run them on every CPU that has them);
+ * a negative value only reads it. */
+static int gc_set_fp512(int on) {
+    if (on >= 0)
+        gc_fp512_state = on != 0;
+    return gc_fp512();
 }
 
 static int gc_has_f16c(void) { return gc_simd() >= 1; }
@@ -458,6 +493,7 @@ __attribute__((target("avx2"))) static gc_ssize gc_encode_bf16_hw(const uint32_t
 #include "_wide.h"
 #else
 static int gc_set_simd_cap(int cap) { (void)cap; return 0; }  /* no vector loops of their own here */
+static int gc_set_fp512(int on) { (void)on; return 0; }
 #endif
 
 /* The float32 accumulate: the AVX-512 loop first where the CPU has it and the call is below GC_ACC_512_MAX
@@ -466,7 +502,7 @@ static int gc_set_simd_cap(int cap) { (void)cap; return 0; }  /* no vector loops
 static int gc_acc_f(float *acc, const float *x, gc_ssize m, float d, int mode, float sc, int doscale) {
     gc_ssize i = 0;
     uint32_t flag = 0;
-    if (m < GC_ACC_512_MAX && gc_simd() >= 2)
+    if (m < GC_ACC_512_MAX && gc_simd_fp() >= 2)
         i = gc_acc_f_512(acc, x, m, d, mode, sc, doscale, &flag);
     return gc_acc_f_base(acc + i, x + i, m - i, d, mode, sc, doscale) && (flag & GC_TOP32) == 0;
 }
@@ -507,7 +543,7 @@ GC_CLONES static int gc_acc_bf16(float *restrict acc, const uint16_t *restrict w
     uint32_t flag = 0, b;
     float x, s;
 #if defined(GC_F16C)
-    if (gc_simd() >= 2)
+    if (gc_simd_fp() >= 2)
         i = gc_acc_bf16_512(acc, w, m, d, mode, decode_only, &flag);
     if (gc_simd() >= 1)
         i += gc_acc_bf16_hw(acc + i, w + i, m - i, d, mode, decode_only, &flag);
@@ -580,7 +616,7 @@ GC_CLONES static int gc_acc_fp16(float *restrict acc, const uint16_t *restrict w
     uint32_t flag = 0;
     float s;
 #if defined(GC_F16C)
-    if (!decode_only && gc_simd() >= 2)
+    if (!decode_only && gc_simd_fp() >= 2)
         i = gc_acc_fp16_512(acc, w, m, d, mode, &flag);
     if (!decode_only && gc_has_f16c())
         i += gc_acc_fp16_hw(acc + i, w + i, m - i, d, mode, &flag);

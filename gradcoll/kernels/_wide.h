@@ -8,7 +8,8 @@
  * cache with AVX2 (about 1.3x a float32 copy of the same elements), and every bf16 wire collective encodes
  * and widens each element once.
  *
- * They run where gc_simd() (in _fused.h) is 2.
+ * They run where gc_simd() (in _fused.h) is 2; those with floating-point work (the accumulates, the fp16
+ * conversions, the wire reduction) only where gc_simd_fp() is 2 too, which it is not on Intel CPUs.
  */
 #ifndef GRADCOLL_WIDE_H
 #define GRADCOLL_WIDE_H
@@ -62,12 +63,12 @@ __attribute__((target("avx512f,avx512bw"))) static gc_ssize gc_encode_bf16_512(c
  * loop starts where the source is 64-byte aligned, the elements before it encoded one at a time (CONV, with
  * the format's EXP and ULP for the finite check): NumPy's large arrays begin 16 bytes into a line, and every
  * 64-byte load then spans two lines (1.6x the time at 1e5 elements, 1.5x at 1e7). From MAX elements on
- * only the AVX2 loop runs. */
-#define GC_DEFINE_ENCODE_VEC(NAME, CONV, LOOP512, LOOP256, EXP, ULP, MAX)                                 \
+ * only the AVX2 loop runs; LEVEL (gc_simd or gc_simd_fp) says whether the AVX-512 one does. */
+#define GC_DEFINE_ENCODE_VEC(NAME, CONV, LOOP512, LOOP256, EXP, ULP, MAX, LEVEL)                       \
     static gc_ssize NAME(const uint32_t *u, uint16_t *w, gc_ssize m, uint32_t *flag) {                 \
         gc_ssize i = 0, head;                                                                          \
         uint32_t v;                                                                                    \
-        int s = gc_simd();                                                                             \
+        int s = LEVEL();                                                                               \
         if (s >= 2 && m < (MAX)) {                                                                     \
             head = (gc_ssize)((((uintptr_t)0 - (uintptr_t)u) & 63u) >> 2);                             \
             if (head > m)                                                                              \
@@ -85,7 +86,7 @@ __attribute__((target("avx512f,avx512bw"))) static gc_ssize gc_encode_bf16_512(c
     }
 
 GC_DEFINE_ENCODE_VEC(gc_encode_bf16_vec, gc_bf16, gc_encode_bf16_512, gc_encode_bf16_hw, 0x7f80u, 0x0080u,
-                     GC_ENCODE_512_MAX)
+                     GC_ENCODE_512_MAX, gc_simd)  /* integer work only: on every CPU that has it */
 
 /* The fp16 encode, 16 values per conversion (the AVX2 loop's steps on 16 lanes; the same rounding, so the
  * same bits), from where the source is 64-byte aligned (as gc_encode_bf16_vec, the elements before it one
@@ -106,7 +107,7 @@ __attribute__((target("avx512f,avx2,f16c"))) static gc_ssize gc_encode_fp16_512(
 }
 
 GC_DEFINE_ENCODE_VEC(gc_encode_fp16_vec, gc_fp16, gc_encode_fp16_512, gc_encode_fp16_hw, 0x7c00u, 0x0400u,
-                     (gc_ssize)1 << 62)  /* no limit */
+                     (gc_ssize)1 << 62, gc_simd_fp)  /* no limit; a conversion: where gc_fp512() allows */
 
 /* The 16-lane accumulate of the wire kernels: acc = finish(acc + x) (acc = x when DECODE_ONLY) with x = WIDEN
  * (the 16 values at w + i as float32); ORs the finite check's top bit into flag and returns how many it did. */

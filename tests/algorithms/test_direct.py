@@ -153,17 +153,18 @@ def mixed_contributions(n: int, count: int, seed: int) -> list[np.ndarray]:
     return data
 
 
-@pytest.mark.parametrize("n", [2, 3, 4, 8])
-def test_deterministic_on_the_window_equals_the_numpy_reference_in_every_lane(n: int) -> None:
+@pytest.mark.parametrize("op", ["mean", "sum"])
+@pytest.mark.parametrize("n", [2, 3, 4, 5, 6, 7, 8, 9])  # 3-8: the loops with n a constant; 9: n as it comes
+def test_deterministic_on_the_window_equals_the_numpy_reference_in_every_lane(n: int, op: str) -> None:
     from gradcoll.kernels import exact_reference
     count = 8 * 1237 + 5  # a tail after the 8-element groups
     data = mixed_contributions(n, count, seed=n)
     want = np.empty(count, np.float32)
-    exact_reference.exact_reduce(data[0], np.stack(data[1:]), want, float(n))
+    exact_reference.exact_reduce(data[0], np.stack(data[1:]), want, float(n) if op == "mean" else 1.0)
     for level in simd_widths("gradcoll.algorithms._direct_c"):  # the AVX-512, AVX2 and block forms this CPU has
         for mode in MODES:
             bufs = [d.copy() for d in data]
-            each_rank(n, lambda r, t: direct_exact(t, bufs[r], op="mean", check_finite=False, seq=1,
+            each_rank(n, lambda r, t: direct_exact(t, bufs[r], op=op, check_finite=False, seq=1,
                                                    timeout=20.0, mode=mode))
             for b in bufs:
                 assert b.tobytes() == want.tobytes(), (level, mode)
