@@ -213,7 +213,8 @@ class TcpTransport(FramedTransport):
             try:
                 if _IO is not None:  # every sendmsg until the frame is out or the socket is full, in C
                     n, err = _IO.push(link.fd, op.hdr, op.view, op.off,
-                                      fast.push_stage(self) if fast.STAGE_MIN <= op.total <= fast.STAGE_MAX else None)
+                                      fast.push_stage(self) if fast.STAGE_MIN <= op.total <= fast.STAGE_MAX
+                                      and fast.staging(_IO) else None)
                     if err:
                         raise OSError(err, os.strerror(err))
                     n -= op.off

@@ -84,6 +84,14 @@ STAGE_BYTES = 256 << 10
 #: more than the slow one saved (on 2 ranks at 16 MiB: docs/performance.md, "the page offset of a send").
 STAGE_MIN = 64 << 10
 STAGE_MAX = 8 << 20
+#: Whether sends stage at all: None until the first send that could (then ``copy_alias_ratio`` of the compiled
+#: loops decides, once per process: staging where the CPU's string copy runs at least ``ALIAS_RATIO`` times
+#: slower into the aliased destination). On the AMD EPYC that copy was 2-3x slower there; on an Intel Xeon
+#: 1.1x in user space and no slower in the kernel (``benches/bench_page_offset.py``: all offsets within 7%),
+#: and staging cost 5-14% at 1-4 MiB (docs/performance.md, "Congestion control and staging"). True or False
+#: sets it (the tests stage on every CPU).
+STAGING: bool | None = None
+ALIAS_RATIO = 1.5
 
 #: How long (seconds) the step polls, yielding the CPU in between, after the last byte it moved before it blocks
 #: in ``poll``. A rank that blocks must be woken, and on a machine with more ranks than cores the kernel may queue
@@ -144,7 +152,7 @@ def exchange_reduce(t: Any, io: ModuleType, peer: int, acc: np.ndarray, tmp: np.
         out, sent, got, serr, rerr, eof, hdr, red, fin, bad = io.exchange(
             link.fd, t._wake_fd, acc, tmp, tag, sseq, rseq, max(t._spin, STEP_SPIN_S), -1.0 if limit is None else limit, divisor,
             check_input and not copy, check, PIECE_BYTES, _ring(t), src, copy,
-            _stage(t) if (acc if src is None else src).nbytes <= STAGE_MAX else None)
+            _stage(t) if (acc if src is None else src).nbytes <= STAGE_MAX and staging(io) else None)
     except BaseException:  # refused its arrays: nothing moved
         _release(t, link, sseq, rseq)
         raise
@@ -165,6 +173,14 @@ def exchange_reduce(t: Any, io: ModuleType, peer: int, acc: np.ndarray, tmp: np.
         if rest.size:
             found.append((at[1] + red + int(rest[0]), float(acc[red + int(rest[0])])))
     return REDUCED if io.reduce_rest(acc, tmp, red, divisor, fin, check) == io.DONE else NONFINITE
+
+
+def staging(io: ModuleType) -> bool:
+    """Whether sends that the kernel would copy the slow way go through a staging buffer (``STAGING``)."""
+    global STAGING
+    if STAGING is None:
+        STAGING = bool(io.copy_alias_ratio() >= ALIAS_RATIO)
+    return STAGING
 
 
 def _ring(t: Any) -> np.ndarray:

@@ -154,7 +154,8 @@ PIECE = tcp_fast.PIECE_BYTES // 4
 
 
 @pytest.mark.parametrize("n,dtype", [(2, np.float32), (4, np.float32), (2, np.float64)])
-def test_large_buffers_take_the_step_with_the_general_paths_bits(worlds, outcomes, monkeypatch, n, dtype) -> None:
+def test_large_buffers_take_the_step_with_the_general_paths_bits(worlds, outcomes, monkeypatch, n, dtype,
+                                                                staging) -> None:
     ts = worlds(n)
     rng = np.random.default_rng(n)
     m = 5 * PIECE + 12345  # several pieces ahead of the receive, several reductions while the bytes move, a tail
@@ -171,7 +172,7 @@ def test_large_buffers_take_the_step_with_the_general_paths_bits(worlds, outcome
 
 
 @pytest.mark.parametrize("where", [PIECE + 7, 4 * PIECE + 1])
-def test_a_non_finite_input_past_the_first_piece_names_its_rank_and_element(worlds, outcomes, where) -> None:
+def test_a_non_finite_input_past_the_first_piece_names_its_rank_and_element(worlds, outcomes, where, staging) -> None:
     ts = worlds(4)
     bufs = [np.ones(5 * PIECE, np.float32) for _ in range(4)]
     bufs[1][where] = -np.inf  # found once rank 1's frame has started: every step still moves, rank 1 is named
@@ -533,9 +534,28 @@ def test_which_sources_the_send_stages(offset, staged) -> None:
     assert tcp._IO.aliased(np.empty(1 << 20, np.float32).ctypes.data) in (True, False)
 
 
+@pytest.fixture(params=[True, False], ids=["staging", "no-staging"])
+def staging(request, monkeypatch) -> bool:
+    """Sends stage (``tcp_fast.STAGING``) or not, whatever this CPU's copy measured."""
+    monkeypatch.setattr(tcp_fast, "STAGING", request.param)
+    return bool(request.param)
+
+
+def test_whether_sends_stage_is_measured_once() -> None:
+    ratio = tcp._IO.copy_alias_ratio(16 << 10, 3)
+    assert isinstance(ratio, float) and ratio > 0
+    before = tcp_fast.STAGING
+    try:
+        tcp_fast.STAGING = None
+        first = tcp_fast.staging(tcp._IO)
+        assert tcp_fast.STAGING is first and tcp_fast.staging(tcp._IO) is first
+    finally:
+        tcp_fast.STAGING = before
+
+
 @pytest.mark.parametrize("offset", [16, 2048])
 @pytest.mark.parametrize("m", [1000, 300_001])  # the second: more than the stage holds, and partial sends
-def test_a_staged_step_puts_the_same_bytes_on_the_wire(offset, m) -> None:
+def test_a_staged_step_puts_the_same_bytes_on_the_wire(offset, m, staging) -> None:
     t, peer = _pair(64 << 10, 4 << 20)
     try:
         acc = at_page_offset(m, np.float32, offset)
@@ -555,7 +575,7 @@ def test_a_staged_step_puts_the_same_bytes_on_the_wire(offset, m) -> None:
 
 
 @pytest.mark.parametrize("offset", [16, 2048])
-def test_a_staged_frame_send_puts_the_same_bytes_on_the_wire(raw, offset) -> None:
+def test_a_staged_frame_send_puts_the_same_bytes_on_the_wire(raw, offset, staging) -> None:
     t, peer = raw
     m = 400_003
     buf = at_page_offset(m, np.float32, offset)
