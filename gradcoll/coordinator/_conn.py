@@ -19,9 +19,10 @@ from typing import Any
 
 from .._util import Deadline
 from ..errors import CollectiveTimeout, GradcollError, TransportBroken, TransportClosed
+from ..transport.tcp_connect import congestion, set_congestion
 from .protocol import FrameDecoder, Message, encode_parts
 
-__all__ = ["Conn", "POLL_S", "SOCKBUF", "tune"]
+__all__ = ["Conn", "POLL_S", "SOCKBUF", "tune", "dial_once", "congestion", "set_congestion"]
 
 POLL_S = 0.1  # longest a single socket call blocks; bounds how late a deadline or a stop is noticed
 SOCKBUF = 4 << 20
@@ -35,6 +36,27 @@ def tune(sock: socket.socket) -> None:
         sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, SOCKBUF)
     except OSError:
         pass
+
+
+def dial_once(host: str, port: int, timeout: float) -> socket.socket:
+    """One attempt to connect to ``host:port`` (each of its addresses in turn), the link's congestion control set
+    before it connects (reno on one host: ``gradcoll.transport.tcp_connect.congestion``); raises the last
+    ``OSError``."""
+    last: OSError = OSError(f"no address for {host}")
+    for family, kind, proto, _, addr in socket.getaddrinfo(host, port, type=socket.SOCK_STREAM):
+        sock = socket.socket(family, kind, proto)
+        try:
+            set_congestion(sock, congestion(str(addr[0])))
+            sock.settimeout(timeout)
+            sock.connect(addr)
+            return sock
+        except OSError as e:
+            sock.close()
+            last = e
+        except BaseException:
+            sock.close()
+            raise
+    raise last
 
 
 def _advance(views: list[memoryview], n: int) -> list[memoryview]:

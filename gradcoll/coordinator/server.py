@@ -32,7 +32,7 @@ from .._util import Deadline
 from ..errors import GradcollError, GroupPoisoned, NonFiniteError, TransportBroken, TransportClosed, UsageError
 from ..kernels.workspace import Workspace
 from ._collect import check_same_shape, gather, halt_error
-from ._conn import POLL_S
+from ._conn import POLL_S, congestion, set_congestion
 from ._faults import abort_code, culprit, reworded
 from ._join import LINGER_S, Admission
 from ._peers import Peer, Slot, log
@@ -94,6 +94,11 @@ class GradientServer:
             listener = socket.create_server((host, port), family=family, backlog=max(16, 2 * config.expect_workers))
         except OSError as e:
             raise TransportBroken(f"coordinator: cannot listen on {host}:{port}: {e.strerror or e}") from e
+        try:  # the workers' connections take it from the listener as they open (docs/transports.md, tcp)
+            set_congestion(listener, congestion(host))
+        except BaseException:
+            listener.close()
+            raise
         listener.settimeout(POLL_S)
         return cls(config, listener)
 

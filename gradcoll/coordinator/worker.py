@@ -23,7 +23,7 @@ from typing import Any, cast
 
 from .._util import Deadline
 from ..errors import CollectiveMismatch, CollectiveTimeout, GradcollError, GroupPoisoned, ProtocolError, TransportBroken, TransportClosed, UsageError
-from ._conn import POLL_S, Conn, tune
+from ._conn import POLL_S, Conn, dial_once, tune
 from ._faults import coordinator_proof, error_from_abort, proof_matches, worker_proof
 from .config import DistributedConfig, Role, parse_addr
 from .protocol import (
@@ -59,7 +59,7 @@ def _dial(host: str, port: int, deadline: Deadline) -> socket.socket:
     delay = 0.01
     while True:
         try:
-            sock = socket.create_connection((host, port), timeout=max(min(deadline.remaining() or 5.0, 5.0), 0.01))
+            sock = dial_once(host, port, max(min(deadline.remaining() or 5.0, 5.0), 0.01))
             tune(sock)
             return sock
         except OSError as e:

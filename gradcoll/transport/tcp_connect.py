@@ -51,7 +51,8 @@ from ..errors import CollectiveTimeout, ProtocolError, UsageError
 from ..store import Store
 from . import frame as fr
 
-__all__ = ["connect", "Linked", "frame_key", "SOCKBUF", "HANDSHAKE_TIMEOUT", "LOCAL_CONGESTION", "congestion"]
+__all__ = ["connect", "Linked", "frame_key", "SOCKBUF", "HANDSHAKE_TIMEOUT", "LOCAL_CONGESTION", "congestion",
+           "set_congestion"]
 
 log = logging.getLogger("gradcoll.transport.tcp")  # the transport's logger, as before the split
 
@@ -102,7 +103,7 @@ def connect(store: Store, rank: int, size: int, deadline: Deadline, *, host: str
         if rank < size - 1:
             listener = socket.socket(_family(host), socket.SOCK_STREAM)
             _tune(listener, sockbuf)  # accepted sockets inherit the buffer sizes and the congestion control
-            _set_congestion(listener, congestion(host))
+            set_congestion(listener, congestion(host))
             listener.bind((host, 0))
             listener.listen(max(size, 128))
             token = secrets.token_bytes(16)
@@ -141,9 +142,9 @@ def congestion(address: str, own: str | None = None) -> str | None:
     return LOCAL_CONGESTION if local else None
 
 
-def _set_congestion(sock: socket.socket, name: str | None) -> None:
-    """Set ``name`` on ``sock`` before it connects or listens (a connection sets its congestion control up as it
-    opens, and a pacing one keeps the socket paced after a later change). A name the kernel refuses (unknown,
+def set_congestion(sock: socket.socket, name: str | None) -> None:
+    """Set ``name`` on ``sock`` before it connects, or on a listener before it accepts (a connection sets its
+    congestion control up as it opens, and a pacing one keeps the socket paced after a later change). A name the kernel refuses (unknown,
     or not in ``net.ipv4.tcp_allowed_congestion_control``) raises a ``UsageError`` when
     ``GRADCOLL_TCP_CONGESTION`` named it, and leaves the system's choice otherwise."""
     opt = getattr(socket, "TCP_CONGESTION", None)
@@ -192,7 +193,7 @@ def _dial(store: Store, key: str, rank: int, size: int, peer: int, deadline: Dea
         sock = socket.socket(_family(host), socket.SOCK_STREAM)
         try:
             _tune(sock, sockbuf)
-            _set_congestion(sock, congestion(host, own))
+            set_congestion(sock, congestion(host, own))
             sock.settimeout(min(HANDSHAKE_TIMEOUT, left) if left is not None else HANDSHAKE_TIMEOUT)
             sock.connect((host, port))
             if tls is not None:

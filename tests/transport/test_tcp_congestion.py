@@ -67,3 +67,21 @@ def test_a_congestion_control_the_kernel_refuses_is_a_usage_error_naming_the_var
     monkeypatch.setenv("GRADCOLL_TCP_CONGESTION", "no-such-control")
     with pytest.raises(UsageError, match="GRADCOLL_TCP_CONGESTION='no-such-control': the kernel refused it"):
         tcp.create(HashStore(), 0, 2, timeout=5)  # rank 0 listens for rank 1: refused before it waits
+
+
+def test_the_coordinators_connections_on_one_host_are_not_paced(monkeypatch) -> None:
+    """The coordinator's listener (which its accepted connections take it from) and a worker's dial run reno."""
+    from gradcoll.coordinator import DistributedConfig, GradientServer
+    from gradcoll.coordinator._conn import dial_once
+
+    monkeypatch.delenv("GRADCOLL_TCP_CONGESTION", raising=False)
+    server = GradientServer.bind(DistributedConfig.coordinator("127.0.0.1:0", 1, timeout_s=5.0))
+    try:
+        assert _cc(server._listener) == tcp_connect.LOCAL_CONGESTION
+        sock = dial_once(*server.local_addr(), 5.0)
+        try:
+            assert _cc(sock) == tcp_connect.LOCAL_CONGESTION
+        finally:
+            sock.close()
+    finally:
+        server.close()
