@@ -299,11 +299,13 @@ class GradientServer:
         if self._closed:
             return
         self.shutdown_workers()
-        self._closed = True
-        self._stop.set()
-        for p in self._all:
+        with self._cond:  # the accept loop adds (started) peers under this lock, and none once stopped
+            self._closed = True
+            self._stop.set()
+            peers = list(self._all)
+        for p in peers:
             p.retire(0.0)
-        for p in self._all:
+        for p in peers:
             p.thread.join(LINGER_S + 1.0)
             p.stop()
         for t in self._threads:
@@ -337,12 +339,15 @@ class GradientServer:
             except OSError:
                 return
             with self._cond:
+                if self._stop.is_set():  # close() has taken its list of peers: this one would never be stopped
+                    sock.close()
+                    return
                 if self._joining and self._poison is None:
                     p = Peer(sock, addr, self._cond)
                     p.join_by = time.monotonic() + self._admission.handshake_s
+                    p.start()  # started before close() can see it (it joins every peer's thread)
                     self._pending.append(p)
                     self._all.append(p)
-                    p.start()
                     self._cond.notify_all()
                     continue
             log.warning("coordinator: refused a connection from %s: the cluster is already formed", addr)

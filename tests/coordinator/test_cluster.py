@@ -405,3 +405,41 @@ def test_config_validation():
         GradientServer.bind(cfg)
     with pytest.raises(UsageError, match="worker config"):
         WorkerClient.connect(server_config(1))
+
+
+def test_close_while_a_connection_is_being_admitted_waits_for_it_and_stops_it(monkeypatch) -> None:
+    """close() raced the accept loop: a peer listed before its reader thread started made close() join a thread
+    that had not started (RuntimeError)."""
+    from gradcoll.coordinator import _peers
+
+    entered, release, errors = threading.Event(), threading.Event(), []
+    real = _peers.Peer.start
+
+    def held_start(self: Any) -> None:
+        entered.set()
+        release.wait(10)
+        real(self)
+
+    monkeypatch.setattr(_peers.Peer, "start", held_start)
+    server = GradientServer.bind(server_config(1))
+    sock = socket.create_connection(server.local_addr(), timeout=5)
+    try:
+        assert entered.wait(10)  # the accept loop is admitting the connection
+
+        def close() -> None:
+            try:
+                server.close()
+            except BaseException as e:  # noqa: BLE001 - reported to the test
+                errors.append(e)
+
+        closer = threading.Thread(target=close)
+        closer.start()
+        closer.join(0.2)
+        assert closer.is_alive()  # close() waits for the admission in progress
+        release.set()
+        closer.join(10)
+        assert not closer.is_alive() and errors == []
+    finally:
+        release.set()
+        sock.close()
+        server.close()
