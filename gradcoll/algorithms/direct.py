@@ -62,10 +62,23 @@ EXACT_SEG_BYTES = 32 << 10
 _MODES = (None, "one-shot", "two-shot")
 
 
+#: The bf16/fp16 variants, and the deterministic one of 3 or more ranks, run one-shot up to at most this many
+#: bytes of the caller's buffer per rank. Their reductions (the exact kernel; the rounding of every sum to the wire and back) are several
+#: times a plain one's work per element, and one-shot has every rank run them on the whole buffer. Forced
+#: two-shot against one-shot (docs/algorithms/direct.md, "Schedules"): on 2 ranks the bf16 call took 0.62-0.92x
+#: the time from 4 KiB to 64 KiB, the deterministic one 0.88-1.04x; on 4 ranks, at 64 KiB, 0.56-1.03x and
+#: 0.43-0.60x (4 KiB, which stays one-shot there, and 16 KiB went either way from run to run).
+HEAVY_ONE_SHOT_BYTES_PER_RANK = 1 << 10
+
+
 @functools.lru_cache(maxsize=256)
-def one_shot_limit(n: int) -> int:
-    """The largest buffer (bytes) that runs one-shot on ``n`` ranks: where the cost model's two-shot wins."""
-    return direct_one_shot_bytes(n)
+def one_shot_limit(n: int, variant: int = PLAIN) -> int:
+    """The largest buffer (bytes) that runs one-shot on ``n`` ranks: where the cost model's two-shot wins; for
+    the wire variants, and the deterministic one of 3 or more ranks, at most ``HEAVY_ONE_SHOT_BYTES_PER_RANK``
+    per rank."""
+    limit = direct_one_shot_bytes(n)
+    heavy = variant in (BF16, FP16) or (variant == EXACT and n > 2)  # two ranks' exact sum is the plain loop
+    return min(limit, n * HEAVY_ONE_SHOT_BYTES_PER_RANK) if heavy else limit
 
 
 def direct_allreduce(transport: Transport, buf: np.ndarray, *, op: str = "mean", check_finite: bool = True,
@@ -192,7 +205,8 @@ def _allreduce(t: Transport, buf: np.ndarray, flat: np.ndarray, op: str, check: 
     # the cost model's choice, unless GRADCOLL_DIRECT_MODE names one (read as the engine is built; such an engine
     # still serves the hot path, as the model's would)
     chosen = mode if mode is not None else forced_mode()
-    two = region is not None or chosen == "two-shot" or (chosen is None and flat.nbytes > one_shot_limit(n))
+    two = region is not None or chosen == "two-shot" or (
+        chosen is None and flat.nbytes > one_shot_limit(n, variant))
     rid = (-1, 0) if region is None else (region[2], region[1])
     key = (flat.size, flat.dtype.char, op, variant, check, two, rid)
 
