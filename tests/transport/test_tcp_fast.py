@@ -8,6 +8,7 @@ that silently ran the general path would prove nothing.
 
 from __future__ import annotations
 
+import os
 import socket
 import struct
 import threading
@@ -549,6 +550,13 @@ def test_whether_sends_stage_is_measured_once() -> None:
         tcp_fast.STAGING = None
         first = tcp_fast.staging(tcp._IO)
         assert tcp_fast.STAGING is first and tcp_fast.staging(tcp._IO) is first
+        for value, want in (("1", True), ("0", False)):  # GRADCOLL_TCP_STAGE decides instead of the measurement
+            tcp_fast.STAGING = None
+            os.environ["GRADCOLL_TCP_STAGE"] = value
+            try:
+                assert tcp_fast.staging(tcp._IO) is want
+            finally:
+                del os.environ["GRADCOLL_TCP_STAGE"]
     finally:
         tcp_fast.STAGING = before
 
