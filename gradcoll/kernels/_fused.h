@@ -357,7 +357,7 @@ static int gc_set_simd_cap(int cap) {
 /* Whether the 512-bit loops that do floating-point work (adds, multiplies, fp16 conversions) run. Not on
  * Intel CPUs, unless GRADCOLL_FP512=1: there a core that has not run such instructions for a few
  * microseconds runs the next ones slowly for a while (its 512-bit units power up, its frequency licence
- * changes), which cost 2.3-3 us on every call of a 1e3-1e5-element accumulate, fp16 encode or bf16
+ * changes), which cost 1.5-4.5 us on every call of a 1e3-1e5-element accumulate, fp16 encode or bf16
  * accumulate interleaved with other work, and the loops were no faster than the AVX2 ones when warm
  * (docs/kernels.md, "512-bit floating point on Intel CPUs"); glibc's string functions and LLVM's vectoriser
  * keep to 256 bits there for the same reason. The integer-only 512-bit loop (the bf16 encode) paid nothing
