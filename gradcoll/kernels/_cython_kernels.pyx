@@ -271,9 +271,10 @@ def threaded_reduce_entries():
 
 # The threaded accumulate and low-precision kernels as C functions (``numba_cpu.accumulate_entry``,
 # ``numba_lowp.entry``), by name, each from its own count of elements.
-ctypedef long long (*_acc_entry_f)(float*, float*, long long, float, long long, float, long long, float) noexcept nogil
+ctypedef long long (*_acc_entry_f)(float*, float*, long long, float, long long, float, long long, float,
+                                   long long) noexcept nogil
 ctypedef long long (*_acc_entry_d)(double*, double*, long long, double, long long, double, long long,
-                                   double) noexcept nogil
+                                   double, long long) noexcept nogil
 ctypedef long long (*_enc_entry)(uint32_t*, uint16_t*, long long) noexcept nogil
 ctypedef long long (*_lacc_entry)(float*, uint16_t*, float*, long long, float, long long) noexcept nogil
 cdef enum:
@@ -323,9 +324,11 @@ cdef bint _run_acc_entry(void* e, cnp.ndarray a, cnp.ndarray x, Py_ssize_t m, bi
     cdef void* px = cnp.PyArray_DATA(x)
     with nogil:
         if dbl:
-            bad = (<_acc_entry_d>e)(<double*>pa, <double*>px, m, f, mode, sc, doscale, DBL_MAX)
+            bad = (<_acc_entry_d>e)(<double*>pa, <double*>px, m, f, mode, sc, doscale, DBL_MAX,
+                                    <long long><size_t><void*>gc_acc_d)  # the entry runs this loop on each block
         else:
-            bad = (<_acc_entry_f>e)(<float*>pa, <float*>px, m, <float>f, mode, <float>sc, doscale, FLT_MAX)
+            bad = (<_acc_entry_f>e)(<float*>pa, <float*>px, m, <float>f, mode, <float>sc, doscale, FLT_MAX,
+                                    <long long><size_t><void*>gc_acc_f)
     return bad == 0 or not check
 
 
@@ -662,10 +665,12 @@ def lowp_accumulate_fast(object acc, object x, object wire, object divisor, bint
 def kernel_addresses():
     """The addresses of the C loops that a threaded caller runs block by block (``numba_lowp``, under
     ``prange``): ``encode_bf16(u, w, m)``, ``encode_fp16(u, w, m)``, ``acc_bf16(acc, w, m, d, mode,
-    decode_only)`` and ``acc_fp16(acc, w, table, m, d, mode, decode_only)``, the signatures of ``_fused.h``;
+    decode_only)``, ``acc_fp16(acc, w, table, m, d, mode, decode_only)``, and ``acc_f32``/``acc_f64(acc, x, m, d,
+    mode, scale, doscale)`` (``numba_cpu``), the signatures of ``_fused.h``;
     each returns 1 when every result is finite."""
     return {"encode_bf16": <size_t><void*>gc_encode_bf16, "encode_fp16": <size_t><void*>gc_encode_fp16,
-            "acc_bf16": <size_t><void*>gc_acc_bf16, "acc_fp16": <size_t><void*>gc_acc_fp16}
+            "acc_bf16": <size_t><void*>gc_acc_bf16, "acc_fp16": <size_t><void*>gc_acc_fp16,
+            "acc_f32": <size_t><void*>gc_acc_f, "acc_f64": <size_t><void*>gc_acc_d}
 
 
 # -- the selection policy's view of GRADCOLL_KERNELS (gradcoll/kernels/select.py) ---------------------------

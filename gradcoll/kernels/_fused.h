@@ -119,152 +119,6 @@ static inline void gc_fence(int nt) {
 /* Non-temporal stores need 16-byte aligned destinations; otherwise the plain store path runs. */
 static inline int gc_nt_ok(const void *p, int nt) { return nt && GC_HAVE_NT && ((uintptr_t)p & 15u) == 0; }
 
-/* ---- reduce: out = finish(x0 + x1 + ... + x{n-1}); returns 1 when every result is finite ---------------- */
-
-/* The vector loop: U=4 vectors of W lanes per step, the n inputs added in order, then the finish. */
-#define GC_REDUCE_BODY(TA, VA, VU, W, LOAD, STORE, FLAGV, EXP, ULP)                                    \
-    for (; i + 4 * (W) <= m; i += 4 * (W)) {                                                           \
-        const TS *p = xs[0] + i;                                                                       \
-        VA s0 = LOAD(p), s1 = LOAD(p + (W)), s2 = LOAD(p + 2 * (W)), s3 = LOAD(p + 3 * (W));            \
-        for (j = 1; j < n; j++) {                                                                      \
-            p = xs[j] + i;                                                                             \
-            s0 += LOAD(p); s1 += LOAD(p + (W)); s2 += LOAD(p + 2 * (W)); s3 += LOAD(p + 3 * (W));      \
-        }                                                                                              \
-        if (mode == GC_MUL) { s0 *= f; s1 *= f; s2 *= f; s3 *= f; }                                    \
-        else if (mode == GC_DIV) { s0 /= f; s1 /= f; s2 /= f; s3 /= f; }                               \
-        STORE(out + i, s0, nt); STORE(out + i + (W), s1, nt);                                          \
-        STORE(out + i + 2 * (W), s2, nt); STORE(out + i + 3 * (W), s3, nt);                            \
-        FLAGV |= ((((VU)s0 & (EXP)) + (ULP)) | (((VU)s1 & (EXP)) + (ULP)))                             \
-               | ((((VU)s2 & (EXP)) + (ULP)) | (((VU)s3 & (EXP)) + (ULP)));                            \
-    }
-
-/* The scalar loop (the tail, and compilers without vector types). */
-#define GC_REDUCE_TAIL(TA, FLAG1)                                                                      \
-    for (; i < m; i++) {                                                                               \
-        TA s = (TA)xs[0][i];                                                                           \
-        for (j = 1; j < n; j++)                                                                        \
-            s += (TA)xs[j][i];                                                                         \
-        if (mode == GC_MUL) s *= f;                                                                    \
-        else if (mode == GC_DIV) s /= f;                                                               \
-        out[i] = s;                                                                                    \
-        flag |= FLAG1(s);                                                                              \
-    }
-
-#if defined(GC_VECTORS)
-/* The loop is written once (NAME##_n, always inlined) and entered with n a constant for 2-8 inputs: the
- * compiler then unrolls the loop over the inputs and keeps their pointers in registers. With n known only
- * at run time it reloaded each pointer in every step, and on large inputs laid out as the C library's heap
- * places them (4 MB arrays 2,320 bytes apart in their pages) the 4-input reduce of 1e6 elements took 2-3x
- * as long (590-930 against 220-360 us in a C harness, docs/kernels.md). */
-#define GC_DEFINE_REDUCE(NAME, TS_, TA_, VA, VU, W, LOAD, STORE, UT, FLAG1, EXP, ULP, TOP)              \
-    static inline __attribute__((always_inline)) int NAME##_n(const TS_ *const *xs, gc_ssize n,        \
-                                                               gc_ssize m, TA_ *restrict out, TA_ f,   \
-                                                               int mode, int nt) {                     \
-        typedef TS_ TS;                                                                                \
-        gc_ssize i = 0, j;                                                                             \
-        VU fv = {0};                                                                                   \
-        UT flag = 0;                                                                                   \
-        int k;                                                                                         \
-        nt = gc_nt_ok(out, nt);                                                                        \
-        GC_REDUCE_BODY(TA_, VA, VU, W, LOAD, STORE, fv, EXP, ULP)                                      \
-        gc_fence(nt);                                                                                  \
-        for (k = 0; k < (W); k++)                                                                      \
-            flag |= fv[k];                                                                             \
-        GC_REDUCE_TAIL(TA_, FLAG1)                                                                     \
-        return (flag & (TOP)) == 0;                                                                    \
-    }                                                                                                  \
-    GC_CLONES static int NAME(const TS_ *const *xs, gc_ssize n, gc_ssize m, TA_ *restrict out, TA_ f,  \
-                              int mode, int nt) {                                                      \
-        switch (n) {                                                                                   \
-        case 2: return NAME##_n(xs, 2, m, out, f, mode, nt);                                           \
-        case 3: return NAME##_n(xs, 3, m, out, f, mode, nt);                                           \
-        case 4: return NAME##_n(xs, 4, m, out, f, mode, nt);                                           \
-        case 5: return NAME##_n(xs, 5, m, out, f, mode, nt);                                           \
-        case 6: return NAME##_n(xs, 6, m, out, f, mode, nt);                                           \
-        case 7: return NAME##_n(xs, 7, m, out, f, mode, nt);                                           \
-        case 8: return NAME##_n(xs, 8, m, out, f, mode, nt);                                           \
-        default: return NAME##_n(xs, n, m, out, f, mode, nt);                                          \
-        }                                                                                              \
-    }
-#else
-#define GC_DEFINE_REDUCE(NAME, TS_, TA_, VA, VU, W, LOAD, STORE, UT, FLAG1, EXP, ULP, TOP)              \
-    static int NAME(const TS_ *const *xs, gc_ssize n, gc_ssize m, TA_ *out, TA_ f, int mode, int nt) {  \
-        gc_ssize i = 0, j;                                                                             \
-        UT flag = 0;                                                                                   \
-        (void)nt;                                                                                      \
-        GC_REDUCE_TAIL(TA_, FLAG1)                                                                     \
-        return (flag & (TOP)) == 0;                                                                    \
-    }
-#endif
-
-GC_DEFINE_REDUCE(gc_reduce_ff, float, float, gc_v8f, gc_v8u, 8, gc_ld8f, gc_st8f, uint32_t, gc_flag32,
-                 GC_EXP32, GC_ULP32, GC_TOP32)
-GC_DEFINE_REDUCE(gc_reduce_dd, double, double, gc_v4d, gc_v4u, 4, gc_ld4d, gc_st4d, uint64_t, gc_flag64,
-                 GC_EXP64, GC_ULP64, GC_TOP64)
-GC_DEFINE_REDUCE(gc_reduce_fd, float, double, gc_v4d, gc_v4u, 4, gc_ld4fd, gc_st4d, uint64_t, gc_flag64,
-                 GC_EXP64, GC_ULP64, GC_TOP64)
-
-/* ---- accumulate: acc = scale(finish(acc + x)); returns 1 when every result is finite --------------------- */
-
-#define GC_ACC_STEP(s)                                                                                 \
-    if (mode == GC_MUL) s *= d; else if (mode == GC_DIV) s /= d;                                       \
-    if (doscale) s *= sc;
-
-#if defined(GC_VECTORS)
-/* Written once (NAME##_k, always inlined) and entered with the mode and the scale flag constants: with them
- * known only at run time the loop tested them in every step, and the accumulate divided by 4 (a
- * multiplication) ran at 0.87-0.90x of the plain loop from 1e4 to 1e5 elements, against 1.09-1.18x with
- * no divisor (docs/kernels.md, "The accumulate's mode"). */
-#define GC_DEFINE_ACC(NAME, T, V, VU, W, LOAD, STORE, UT, FLAG1, EXP, ULP, TOP)                         \
-    static inline __attribute__((always_inline)) int NAME##_k(T *acc, const T *x, gc_ssize m, T d,     \
-                                                               int mode, T sc, int doscale) {          \
-        gc_ssize i = 0;                                                                                \
-        VU fv = {0};                                                                                   \
-        UT flag = 0;                                                                                   \
-        int k;                                                                                         \
-        for (; i + 2 * (W) <= m; i += 2 * (W)) {                                                       \
-            V s0 = LOAD(acc + i) + LOAD(x + i), s1 = LOAD(acc + i + (W)) + LOAD(x + i + (W));          \
-            GC_ACC_STEP(s0) GC_ACC_STEP(s1)                                                            \
-            STORE(acc + i, s0, 0); STORE(acc + i + (W), s1, 0);                                        \
-            fv |= (((VU)s0 & (EXP)) + (ULP)) | (((VU)s1 & (EXP)) + (ULP));                             \
-        }                                                                                              \
-        for (k = 0; k < (W); k++)                                                                      \
-            flag |= fv[k];                                                                             \
-        for (; i < m; i++) {                                                                           \
-            T s = acc[i] + x[i];                                                                       \
-            GC_ACC_STEP(s)                                                                             \
-            acc[i] = s;                                                                                \
-            flag |= FLAG1(s);                                                                          \
-        }                                                                                              \
-        return (flag & (TOP)) == 0;                                                                    \
-    }                                                                                                  \
-    GC_CLONES static int NAME(T *acc, const T *x, gc_ssize m, T d, int mode, T sc, int doscale) {      \
-        if (doscale)                                                                                   \
-            return NAME##_k(acc, x, m, d, mode, sc, 1);                                                \
-        if (mode == GC_MUL)                                                                            \
-            return NAME##_k(acc, x, m, d, GC_MUL, sc, 0);                                              \
-        if (mode == GC_DIV)                                                                            \
-            return NAME##_k(acc, x, m, d, GC_DIV, sc, 0);                                              \
-        return NAME##_k(acc, x, m, d, GC_NONE, sc, 0);                                                 \
-    }
-#else
-#define GC_DEFINE_ACC(NAME, T, V, VU, W, LOAD, STORE, UT, FLAG1, EXP, ULP, TOP)                         \
-    static int NAME(T *acc, const T *x, gc_ssize m, T d, int mode, T sc, int doscale) {                \
-        gc_ssize i;                                                                                    \
-        UT flag = 0;                                                                                   \
-        for (i = 0; i < m; i++) {                                                                      \
-            T s = acc[i] + x[i];                                                                       \
-            GC_ACC_STEP(s)                                                                             \
-            acc[i] = s;                                                                                \
-            flag |= FLAG1(s);                                                                          \
-        }                                                                                              \
-        return (flag & (TOP)) == 0;                                                                    \
-    }
-#endif
-
-GC_DEFINE_ACC(gc_acc_f_base, float, gc_v8f, gc_v8u, 8, gc_ld8f, gc_st8f, uint32_t, gc_flag32, GC_EXP32, GC_ULP32, GC_TOP32)
-GC_DEFINE_ACC(gc_acc_d, double, gc_v4d, gc_v4u, 4, gc_ld4d, gc_st4d, uint64_t, gc_flag64, GC_EXP64, GC_ULP64, GC_TOP64)
-
 /* ---- finite check of a buffer: 1 when no element is NaN/Inf (stops at the first bad 64 KiB) ------------- */
 
 GC_CLONES static int gc_finite_f(const float *p, gc_ssize m) {
@@ -288,6 +142,176 @@ GC_CLONES static int gc_finite_d(const double *p, gc_ssize m) {
     }
     return (flag & GC_TOP64) == 0;
 }
+
+/* Elements before the first 64-byte boundary of p (at most m): the loops run them one by one, so that the
+ * vector loop's stores never split a cache line. With the output 16 or 48 bytes past a line, as the C
+ * library's heap often leaves a NumPy array, the accumulate of 5e4 float32 elements took 1.35x as long in a
+ * C harness (docs/kernels.md, "Aligned stores"). */
+static inline gc_ssize gc_head(const void *p, size_t size, gc_ssize m) {
+    gc_ssize h = (gc_ssize)(((64u - ((uintptr_t)p & 63u)) & 63u) / size);
+    return h < m ? h : m;
+}
+
+/* ---- reduce: out = finish(x0 + x1 + ... + x{n-1}); returns 1 when every result is finite ---------------- */
+
+/* The vector loop: U=4 vectors of W lanes per step, the n inputs added in order, then the finish. */
+#define GC_REDUCE_BODY(TA, VA, VU, W, LOAD, STORE, FLAGV)                                               \
+    for (; i + 4 * (W) <= m; i += 4 * (W)) {                                                           \
+        const TS *p = xs[0] + i;                                                                       \
+        VA s0 = LOAD(p), s1 = LOAD(p + (W)), s2 = LOAD(p + 2 * (W)), s3 = LOAD(p + 3 * (W));            \
+        for (j = 1; j < n; j++) {                                                                      \
+            p = xs[j] + i;                                                                             \
+            s0 += LOAD(p); s1 += LOAD(p + (W)); s2 += LOAD(p + 2 * (W)); s3 += LOAD(p + 3 * (W));      \
+        }                                                                                              \
+        if (mode == GC_MUL) { s0 *= f; s1 *= f; s2 *= f; s3 *= f; }                                    \
+        else if (mode == GC_DIV) { s0 /= f; s1 /= f; s2 /= f; s3 /= f; }                               \
+        STORE(out + i, s0, nt); STORE(out + i + (W), s1, nt);                                          \
+        STORE(out + i + 2 * (W), s2, nt); STORE(out + i + 3 * (W), s3, nt);                            \
+        s0 = (s0 + s1) + (s2 + s3);                                                                    \
+        FLAGV |= (VU)(s0 - s0);                                                                        \
+    }
+
+/* The scalar loop (the head up to an aligned output, the tail, and compilers without vector types). */
+#define GC_REDUCE_TAIL(TA, FLAG1, END)                                                                 \
+    for (; i < (END); i++) {                                                                           \
+        TA s = (TA)xs[0][i];                                                                           \
+        for (j = 1; j < n; j++)                                                                        \
+            s += (TA)xs[j][i];                                                                         \
+        if (mode == GC_MUL) s *= f;                                                                    \
+        else if (mode == GC_DIV) s /= f;                                                               \
+        out[i] = s;                                                                                    \
+        flag |= FLAG1(s);                                                                              \
+    }
+
+#if defined(GC_VECTORS)
+/* The loop is written once (NAME##_n, always inlined) and entered with n a constant for 2-8 inputs: the
+ * compiler then unrolls the loop over the inputs and keeps their pointers in registers. With n known only
+ * at run time it reloaded each pointer in every step, and on large inputs laid out as the C library's heap
+ * places them (4 MB arrays 2,320 bytes apart in their pages) the 4-input reduce of 1e6 elements took 2-3x
+ * as long (590-930 against 220-360 us in a C harness, docs/kernels.md). */
+#define GC_DEFINE_REDUCE(NAME, TS_, TA_, VA, VU, W, LOAD, STORE, UT, FLAG1, FINITE, TOP)               \
+    static inline __attribute__((always_inline)) int NAME##_n(const TS_ *const *xs, gc_ssize n,        \
+                                                               gc_ssize m, TA_ *restrict out, TA_ f,   \
+                                                               int mode, int nt) {                     \
+        typedef TS_ TS;                                                                                \
+        gc_ssize i = 0, j;                                                                             \
+        VU fv = {0};                                                                                   \
+        UT flag = 0;                                                                                   \
+        int k;                                                                                         \
+        gc_ssize head = gc_head(out, sizeof(TA_), m), start;                                            \
+        UT vflag = 0;                                                                                  \
+        GC_REDUCE_TAIL(TA_, FLAG1, head)                                                               \
+        start = i;                                                                                     \
+        nt = gc_nt_ok(out + i, nt);                                                                    \
+        GC_REDUCE_BODY(TA_, VA, VU, W, LOAD, STORE, fv)                                                \
+        gc_fence(nt);                                                                                  \
+        for (k = 0; k < (W); k++)                                                                      \
+            vflag |= fv[k];                                                                            \
+        if (vflag != 0 && !FINITE(out + start, i - start)) /* an Inf/NaN, or the sum of four overflowed */ \
+            flag |= (TOP);                                                                             \
+        GC_REDUCE_TAIL(TA_, FLAG1, m)                                                                  \
+        return (flag & (TOP)) == 0;                                                                    \
+    }                                                                                                  \
+    GC_CLONES static int NAME(const TS_ *const *xs, gc_ssize n, gc_ssize m, TA_ *restrict out, TA_ f,  \
+                              int mode, int nt) {                                                      \
+        switch (n) {                                                                                   \
+        case 2: return NAME##_n(xs, 2, m, out, f, mode, nt);                                           \
+        case 3: return NAME##_n(xs, 3, m, out, f, mode, nt);                                           \
+        case 4: return NAME##_n(xs, 4, m, out, f, mode, nt);                                           \
+        case 5: return NAME##_n(xs, 5, m, out, f, mode, nt);                                           \
+        case 6: return NAME##_n(xs, 6, m, out, f, mode, nt);                                           \
+        case 7: return NAME##_n(xs, 7, m, out, f, mode, nt);                                           \
+        case 8: return NAME##_n(xs, 8, m, out, f, mode, nt);                                           \
+        default: return NAME##_n(xs, n, m, out, f, mode, nt);                                          \
+        }                                                                                              \
+    }
+#else
+#define GC_DEFINE_REDUCE(NAME, TS_, TA_, VA, VU, W, LOAD, STORE, UT, FLAG1, FINITE, TOP)               \
+    static int NAME(const TS_ *const *xs, gc_ssize n, gc_ssize m, TA_ *out, TA_ f, int mode, int nt) {  \
+        gc_ssize i = 0, j;                                                                             \
+        UT flag = 0;                                                                                   \
+        (void)nt;                                                                                      \
+        GC_REDUCE_TAIL(TA_, FLAG1, m)                                                                  \
+        return (flag & (TOP)) == 0;                                                                    \
+    }
+#endif
+
+GC_DEFINE_REDUCE(gc_reduce_ff, float, float, gc_v8f, gc_v8u, 8, gc_ld8f, gc_st8f, uint32_t, gc_flag32,
+                 gc_finite_f, GC_TOP32)
+GC_DEFINE_REDUCE(gc_reduce_dd, double, double, gc_v4d, gc_v4u, 4, gc_ld4d, gc_st4d, uint64_t, gc_flag64,
+                 gc_finite_d, GC_TOP64)
+GC_DEFINE_REDUCE(gc_reduce_fd, float, double, gc_v4d, gc_v4u, 4, gc_ld4fd, gc_st4d, uint64_t, gc_flag64,
+                 gc_finite_d, GC_TOP64)
+
+/* ---- accumulate: acc = scale(finish(acc + x)); returns 1 when every result is finite --------------------- */
+
+#define GC_ACC_STEP(s)                                                                                 \
+    if (mode == GC_MUL) s *= d; else if (mode == GC_DIV) s /= d;                                       \
+    if (doscale) s *= sc;
+
+/* The scalar loop, up to END (the head before an aligned accumulator, the tail). */
+#define GC_ACC_TAIL(T, FLAG1, END)                                                                     \
+    for (; i < (END); i++) {                                                                           \
+        T s = acc[i] + x[i];                                                                           \
+        GC_ACC_STEP(s)                                                                                 \
+        acc[i] = s;                                                                                    \
+        flag |= FLAG1(s);                                                                              \
+    }
+
+#if defined(GC_VECTORS)
+/* Written once (NAME##_k, always inlined) and entered with the mode and the scale flag constants: with them
+ * known only at run time the loop tested them in every step, and the accumulate divided by 4 (a
+ * multiplication) ran at 0.87-0.90x of the plain loop from 1e4 to 1e5 elements, against 1.09-1.18x with
+ * no divisor (docs/kernels.md, "The accumulate's mode"). */
+#define GC_DEFINE_ACC(NAME, T, V, VU, W, LOAD, STORE, UT, FLAG1, FINITE, TOP)                          \
+    static inline __attribute__((always_inline)) int NAME##_k(T *acc, const T *x, gc_ssize m, T d,     \
+                                                               int mode, T sc, int doscale) {          \
+        gc_ssize i = 0, head = gc_head(acc, sizeof(T), m), start;                                      \
+        VU fv = {0};                                                                                   \
+        UT flag = 0, vflag = 0;                                                                        \
+        int k;                                                                                         \
+        GC_ACC_TAIL(T, FLAG1, head)                                                                    \
+        start = i;                                                                                     \
+        for (; i + 2 * (W) <= m; i += 2 * (W)) {                                                       \
+            V s0 = LOAD(acc + i) + LOAD(x + i), s1 = LOAD(acc + i + (W)) + LOAD(x + i + (W)), t;       \
+            GC_ACC_STEP(s0) GC_ACC_STEP(s1)                                                            \
+            STORE(acc + i, s0, 0); STORE(acc + i + (W), s1, 0);                                        \
+            t = s0 + s1;                                                                               \
+            fv |= (VU)(t - t);                                                                         \
+        }                                                                                              \
+        for (k = 0; k < (W); k++)                                                                      \
+            vflag |= fv[k];                                                                            \
+        if (vflag != 0 && !FINITE(acc + start, i - start)) /* an Inf/NaN, or s0 + s1 overflowed */    \
+            flag |= (TOP);                                                                             \
+        GC_ACC_TAIL(T, FLAG1, m)                                                                       \
+        return (flag & (TOP)) == 0;                                                                    \
+    }                                                                                                  \
+    GC_CLONES static int NAME(T *acc, const T *x, gc_ssize m, T d, int mode, T sc, int doscale) {      \
+        if (doscale)                                                                                   \
+            return NAME##_k(acc, x, m, d, mode, sc, 1);                                                \
+        if (mode == GC_MUL)                                                                            \
+            return NAME##_k(acc, x, m, d, GC_MUL, sc, 0);                                              \
+        if (mode == GC_DIV)                                                                            \
+            return NAME##_k(acc, x, m, d, GC_DIV, sc, 0);                                              \
+        return NAME##_k(acc, x, m, d, GC_NONE, sc, 0);                                                 \
+    }
+#else
+#define GC_DEFINE_ACC(NAME, T, V, VU, W, LOAD, STORE, UT, FLAG1, FINITE, TOP)                          \
+    static int NAME(T *acc, const T *x, gc_ssize m, T d, int mode, T sc, int doscale) {                \
+        gc_ssize i;                                                                                    \
+        UT flag = 0;                                                                                   \
+        for (i = 0; i < m; i++) {                                                                      \
+            T s = acc[i] + x[i];                                                                       \
+            GC_ACC_STEP(s)                                                                             \
+            acc[i] = s;                                                                                \
+            flag |= FLAG1(s);                                                                          \
+        }                                                                                              \
+        return (flag & (TOP)) == 0;                                                                    \
+    }
+#endif
+
+GC_DEFINE_ACC(gc_acc_f_base, float, gc_v8f, gc_v8u, 8, gc_ld8f, gc_st8f, uint32_t, gc_flag32, gc_finite_f, GC_TOP32)
+GC_DEFINE_ACC(gc_acc_d, double, gc_v4d, gc_v4u, 4, gc_ld4d, gc_st4d, uint64_t, gc_flag64, gc_finite_d, GC_TOP64)
 
 /* ---- low precision: float32 <-> bf16/fp16 bit patterns (the rules: lowp_reference.py) ------------------- */
 
@@ -502,9 +526,13 @@ static int gc_set_fp512(int on) { (void)on; return 0; }
 static int gc_acc_f(float *acc, const float *x, gc_ssize m, float d, int mode, float sc, int doscale) {
     gc_ssize i = 0;
     uint32_t flag = 0;
-    if (m < GC_ACC_512_MAX && gc_simd_fp() >= 2)
-        i = gc_acc_f_512(acc, x, m, d, mode, sc, doscale, &flag);
-    return gc_acc_f_base(acc + i, x + i, m - i, d, mode, sc, doscale) && (flag & GC_TOP32) == 0;
+    int ok = 1;
+    if (m < GC_ACC_512_MAX && gc_simd_fp() >= 2) {
+        i = gc_head(acc, sizeof(float), m);  /* up to an aligned accumulator, as the loop below does */
+        ok = gc_acc_f_base(acc, x, i, d, mode, sc, doscale);
+        i += gc_acc_f_512(acc + i, x + i, m - i, d, mode, sc, doscale, &flag);
+    }
+    return gc_acc_f_base(acc + i, x + i, m - i, d, mode, sc, doscale) && ok && (flag & GC_TOP32) == 0;
 }
 #else
 #define gc_acc_f gc_acc_f_base

@@ -34,6 +34,8 @@ import numpy as np
 from numba import carray, cfunc, njit, prange, types
 
 from . import reference
+from ._compiled import extension
+from ._native import accumulate_native
 from ._twins import BLOCK as BLOCK
 from ._twins import THREADS as THREADS
 from ._twins import split
@@ -257,7 +259,9 @@ def _e8(p, o, m, f, mode, big):
                          carray(p[5], m), carray(p[6], m), carray(p[7], m)), carray(o, m), f, mode, big)
 
 
-def _acc_entry(a, x, m, f, mode, sc, doscale, big):
+def _acc_entry(a, x, m, f, mode, sc, doscale, big, loop):
+    if loop != 0:  # the extension's own loop, block by block (``_native``)
+        return accumulate_native(loop, carray(a, m), carray(x, m), f, mode, sc, doscale != 0)
     return accumulate_parallel(carray(a, m), carray(x, m), f, mode, sc, doscale != 0, big)
 
 
@@ -280,13 +284,14 @@ def reduce_entry(dtype: np.dtype, n: int) -> int:
 
 def accumulate_entry(dtype: np.dtype) -> int:
     """The address of the threaded accumulate of ``dtype`` as a C function, ``int64 f(T* acc, T* x, int64 m,
-    T factor, int64 mode, T scale, int64 doscale, T big)``: the blocks holding a non-finite result."""
+    T factor, int64 mode, T scale, int64 doscale, T big, int64 loop)``: the blocks holding a non-finite result.
+    ``loop`` is the address of the extension's loop to run on each block (``_native``), or 0 for Numba's."""
     key = (np.dtype(dtype), 0)
     c = _ENTRIES.get(key)
     if c is None:
         t = types.float64 if key[0] == np.float64 else types.float32
         p = types.CPointer(t)
-        sig = types.int64(p, p, types.int64, t, types.int64, t, types.int64, t)
+        sig = types.int64(p, p, types.int64, t, types.int64, t, types.int64, t, types.int64)
         c = _ENTRIES[key] = cfunc(sig, cache=True, nogil=True)(_acc_entry)
     return int(c.address)
 
@@ -302,13 +307,31 @@ def accumulate(acc: np.ndarray, x: np.ndarray, scale: float | None, divisor: flo
     mode, f = finish(divisor, acc.dtype)
     t = acc.dtype.type
     par = acc.shape[0] >= PARALLEL_ELEMS
-    fn = accumulate_parallel if par else accumulate_serial
-    bad = fn(acc, x, t(f), mode, t(scale if scale is not None else 1.0), scale is not None, _big(acc.dtype))
+    sc = t(scale if scale is not None else 1.0)
+    loop = _native_loop(acc.dtype) if par and acc.flags.c_contiguous and x.flags.c_contiguous else 0
+    if loop:
+        bad = accumulate_native(loop, acc, x, t(f), mode, sc, scale is not None)
+    else:
+        fn = accumulate_parallel if par else accumulate_serial
+        bad = fn(acc, x, t(f), mode, sc, scale is not None, _big(acc.dtype))
     name = "accumulate_f64" if acc.dtype == np.float64 else "accumulate_f32"
     if par and _register_entry is not None and name not in _REGISTERED_NAMES:
         _REGISTERED_NAMES.add(name)
         _register_entry(name, accumulate_entry(acc.dtype))
     return bad == 0 or not check
+
+
+_LOOPS: dict[np.dtype, int] = {}
+
+
+def _native_loop(dtype: np.dtype) -> int:
+    """The address of the extension's accumulate loop for ``dtype`` (``_native``), or 0 without the extension."""
+    loop = _LOOPS.get(dtype)
+    if loop is None:
+        ext = extension()
+        addr = ext.kernel_addresses() if ext is not None and hasattr(ext, "kernel_addresses") else {}
+        loop = _LOOPS[dtype] = int(addr.get("acc_f64" if dtype == np.float64 else "acc_f32", 0))
+    return loop
 
 
 def is_all_finite(buf: np.ndarray) -> bool:
@@ -333,6 +356,7 @@ def warmup() -> None:
                 reduce_rows([x[0]] * n, out, np.dtype(dt), n, True)
             accumulate(out, x[0], None, 2, True)
             accumulate(out, x[0], 0.5, None, True)
+            accumulate(out[::1], x[0][::-1], None, 2, True)  # not contiguous: Numba's own loop, not the C one
             is_all_finite(out)
             scale(out, 1.0)
         reduce_rows(np.ones((2, 8), np.float32), np.empty(8, np.float64), np.dtype(np.float64), 2, True)
