@@ -174,6 +174,34 @@ cdef extern from *:
     #include <immintrin.h>
     #define GCD_EXACT_AVX2 1
     #define GCD_EXACT_NMAX 64  /* (MAXN) */
+    /* Enter FN (an always-inlined loop) with n a constant for 3 to 8 contributions */
+    #define GCD_WITH_N(FN)                                                                                 \
+        switch (n) {                                                                                       \
+        case 3: return FN(xs, 3, m, out, div, recip, limit, hi, lo, bmin, F);                              \
+        case 4: return FN(xs, 4, m, out, div, recip, limit, hi, lo, bmin, F);                              \
+        case 5: return FN(xs, 5, m, out, div, recip, limit, hi, lo, bmin, F);                              \
+        case 6: return FN(xs, 6, m, out, div, recip, limit, hi, lo, bmin, F);                              \
+        case 7: return FN(xs, 7, m, out, div, recip, limit, hi, lo, bmin, F);                              \
+        case 8: return FN(xs, 8, m, out, div, recip, limit, hi, lo, bmin, F);                              \
+        default: return FN(xs, n, m, out, div, recip, limit, hi, lo, bmin, F);                             \
+        }
+    /* The 8 elements at i of the n contributions: their float64 sums in rank order (s0: the first 4, s1: the
+       rest), and each contribution's bits shifted left once (the sign dropped) folded into mx by an unsigned
+       maximum (the largest magnitude's) and, less one, into mn by an unsigned minimum (the smallest nonzero
+       magnitude's: a zero becomes the largest) */
+    __attribute__((target("avx2"), always_inline)) static inline void gcd_x8(
+            const float* const* p, const int n, int64_t i, __m256i* mx, __m256i* mn, __m256d* s0, __m256d* s1) {
+        const __m256i one = _mm256_set1_epi32(1);
+        for (int r = 0; r < n; r++) {
+            __m256i u = _mm256_loadu_si256((const __m256i*)(p[r] + i));
+            __m256d a0 = _mm256_cvtps_pd(_mm_loadu_ps(p[r] + i)), a1 = _mm256_cvtps_pd(_mm_loadu_ps(p[r] + i + 4));
+            u = _mm256_add_epi32(u, u);
+            *mx = _mm256_max_epu32(*mx, u);
+            *mn = _mm256_min_epu32(*mn, _mm256_sub_epi32(u, one));
+            *s0 = r ? _mm256_add_pd(*s0, a0) : a0;
+            *s1 = r ? _mm256_add_pd(*s1, a1) : a1;
+        }
+    }
     __attribute__((target("avx2"), always_inline)) static inline int gcd_exact_f32_avx2_n(
             const float* const* xs, const int n, int64_t m, float* out, double div, double recip, double limit,
             int64_t hi, int64_t lo, int64_t bmin, int64_t F) {
@@ -191,21 +219,9 @@ cdef extern from *:
         int bad = 0;
         int64_t i = 0;
         for (; i + 8 <= m; i += 8) {
-            /* each contribution's bits shifted left once (the sign dropped): their unsigned maximum is the
-               largest magnitude's, and the unsigned minimum of the shifted bits less one is the smallest
-               nonzero magnitude's (a zero becomes the largest) */
-            __m256i w = _mm256_loadu_si256((const __m256i*)(p[0] + i));
-            w = _mm256_add_epi32(w, w);
-            __m256i mx = w, mn = _mm256_sub_epi32(w, one);
-            __m256d s0 = _mm256_cvtps_pd(_mm_loadu_ps(p[0] + i)), s1 = _mm256_cvtps_pd(_mm_loadu_ps(p[0] + i + 4));
-            for (int r = 1; r < n; r++) {
-                __m256i u = _mm256_loadu_si256((const __m256i*)(p[r] + i));
-                u = _mm256_add_epi32(u, u);
-                mx = _mm256_max_epu32(mx, u);
-                mn = _mm256_min_epu32(mn, _mm256_sub_epi32(u, one));
-                s0 = _mm256_add_pd(s0, _mm256_cvtps_pd(_mm_loadu_ps(p[r] + i)));
-                s1 = _mm256_add_pd(s1, _mm256_cvtps_pd(_mm_loadu_ps(p[r] + i + 4)));
-            }
+            __m256i mx = zero, mn = _mm256_set1_epi32(-1);
+            __m256d s0, s1;
+            gcd_x8(p, n, i, &mx, &mn, &s0, &s1);
             __m256i b = _mm256_srli_epi32(mx, 24);
             __m256i bx = _mm256_max_epi32(b, bm);  /* E's clamp */
             __m256i bn = _mm256_max_epi32(_mm256_srli_epi32(_mm256_add_epi32(mn, one), 24), one);  /* subnormals: 1 */
@@ -249,15 +265,66 @@ cdef extern from *:
     __attribute__((target("avx2"))) static int gcd_exact_f32_avx2(
             const float* const* xs, int n, int64_t m, float* out, double div, double recip, double limit,
             int64_t hi, int64_t lo, int64_t bmin, int64_t F) {
-        switch (n) {
-        case 3: return gcd_exact_f32_avx2_n(xs, 3, m, out, div, recip, limit, hi, lo, bmin, F);
-        case 4: return gcd_exact_f32_avx2_n(xs, 4, m, out, div, recip, limit, hi, lo, bmin, F);
-        case 5: return gcd_exact_f32_avx2_n(xs, 5, m, out, div, recip, limit, hi, lo, bmin, F);
-        case 6: return gcd_exact_f32_avx2_n(xs, 6, m, out, div, recip, limit, hi, lo, bmin, F);
-        case 7: return gcd_exact_f32_avx2_n(xs, 7, m, out, div, recip, limit, hi, lo, bmin, F);
-        case 8: return gcd_exact_f32_avx2_n(xs, 8, m, out, div, recip, limit, hi, lo, bmin, F);
-        default: return gcd_exact_f32_avx2_n(xs, n, m, out, div, recip, limit, hi, lo, bmin, F);
+        GCD_WITH_N(gcd_exact_f32_avx2_n)
+    }
+    /* The same in blocks of GCD_XBLK elements, the test once per block: each lane keeps the largest magnitude
+       and the smallest nonzero one over the block's elements in that lane, and the block passes when, in every
+       lane, those two are within the span, so every element of the block is within it (its largest no larger,
+       its smallest nonzero no smaller). Then its float64 sums are its results; a block that fails (a
+       contribution far below, an Inf or a NaN: an exponent of all ones) is done again by the per-element loop
+       above. On a passing block no sum is NaN, so the finite check keeps the largest |result| (a maximum)
+       and compares it once. 4 contributions of 4,096 elements in cache: 1.97 against 2.42 us in a C
+       harness (docs/algorithms/deterministic.md). */
+    #define GCD_XBLK 64
+    __attribute__((target("avx2"), always_inline)) static inline int gcd_exact_f32_blk_n(
+            const float* const* xs, const int n, int64_t m, float* out, double div, double recip, double limit,
+            int64_t hi, int64_t lo, int64_t bmin, int64_t F) {
+        const __m256i one = _mm256_set1_epi32(1);
+        const __m256i span = _mm256_set1_epi32((int)(F - 23));
+        const __m256i bm = _mm256_set1_epi32((int)bmin);
+        const __m256d rc = _mm256_set1_pd(recip), dv = _mm256_set1_pd(div);
+        const __m256d mag = _mm256_castsi256_pd(_mm256_set1_epi64x(INT64_MAX));
+        const int mul = recip > 0;
+        const float* p[GCD_EXACT_NMAX];
+        for (int r = 0; r < n; r++) p[r] = xs[r];
+        int bad = 0;
+        int64_t i = 0;
+        for (; i + GCD_XBLK <= m; i += GCD_XBLK) {
+            __m256i bmx = _mm256_setzero_si256(), bmn = _mm256_set1_epi32(-1);
+            __m256d fmx = _mm256_setzero_pd();
+            for (int64_t j = i; j < i + GCD_XBLK; j += 8) {
+                __m256d s0, s1;
+                gcd_x8(p, n, j, &bmx, &bmn, &s0, &s1);
+                s0 = mul ? _mm256_mul_pd(s0, rc) : _mm256_div_pd(s0, dv);
+                s1 = mul ? _mm256_mul_pd(s1, rc) : _mm256_div_pd(s1, dv);
+                _mm_storeu_ps(out + j, _mm256_cvtpd_ps(s0));
+                _mm_storeu_ps(out + j + 4, _mm256_cvtpd_ps(s1));
+                fmx = _mm256_max_pd(fmx, _mm256_max_pd(_mm256_and_pd(s0, mag), _mm256_and_pd(s1, mag)));
+            }
+            /* per lane: every element's largest exponent at most the block's, its smallest nonzero at least the
+               block's; an Inf/NaN (exponent 0xFF) fails here, so fmx is never NaN on a block that passes */
+            __m256i bx = _mm256_max_epi32(_mm256_srli_epi32(bmx, 24), bm);
+            __m256i bn = _mm256_max_epi32(_mm256_srli_epi32(_mm256_add_epi32(bmn, one), 24), one);
+            __m256i ok = _mm256_cmpgt_epi32(_mm256_add_epi32(bn, span), bx);
+            if (__builtin_expect(_mm256_movemask_epi8(ok) != -1, 0)) {
+                const float* t[GCD_EXACT_NMAX];
+                for (int r = 0; r < n; r++) t[r] = p[r] + i;
+                bad |= gcd_exact_f32_avx2_n(t, n, GCD_XBLK, out + i, div, recip, limit, hi, lo, bmin, F);
+            } else {
+                bad |= _mm256_movemask_pd(_mm256_cmp_pd(fmx, _mm256_set1_pd(limit), _CMP_NLT_UQ)) != 0;
+            }
         }
+        if (i < m) {
+            const float* t[GCD_EXACT_NMAX];
+            for (int r = 0; r < n; r++) t[r] = p[r] + i;
+            bad |= gcd_exact_f32_avx2_n(t, n, m - i, out + i, div, recip, limit, hi, lo, bmin, F);
+        }
+        return bad;
+    }
+    __attribute__((target("avx2"))) static int gcd_exact_f32_blk(
+            const float* const* xs, int n, int64_t m, float* out, double div, double recip, double limit,
+            int64_t hi, int64_t lo, int64_t bmin, int64_t F) {
+        GCD_WITH_N(gcd_exact_f32_blk_n)
     }
     /* The same on 16 elements at a time (AVX-512 F): the AVX2 loop's operations, in the same order, on
        twice the lanes; the AVX2 loop does the rest. */
@@ -333,15 +400,7 @@ cdef extern from *:
     __attribute__((target("avx512f,avx512bw,avx2"))) static int gcd_exact_f32_512(
             const float* const* xs, int n, int64_t m, float* out, double div, double recip, double limit,
             int64_t hi, int64_t lo, int64_t bmin, int64_t F) {
-        switch (n) {  /* (as gcd_exact_f32_avx2) */
-        case 3: return gcd_exact_f32_512_n(xs, 3, m, out, div, recip, limit, hi, lo, bmin, F);
-        case 4: return gcd_exact_f32_512_n(xs, 4, m, out, div, recip, limit, hi, lo, bmin, F);
-        case 5: return gcd_exact_f32_512_n(xs, 5, m, out, div, recip, limit, hi, lo, bmin, F);
-        case 6: return gcd_exact_f32_512_n(xs, 6, m, out, div, recip, limit, hi, lo, bmin, F);
-        case 7: return gcd_exact_f32_512_n(xs, 7, m, out, div, recip, limit, hi, lo, bmin, F);
-        case 8: return gcd_exact_f32_512_n(xs, 8, m, out, div, recip, limit, hi, lo, bmin, F);
-        default: return gcd_exact_f32_512_n(xs, n, m, out, div, recip, limit, hi, lo, bmin, F);
-        }
+        GCD_WITH_N(gcd_exact_f32_512_n)
     }
     /* Two float32 contributions: the float64 sum of two float32 values rounds to float32 as their float32
        sum does (exactly when they are within 29 binades, and the smaller cannot move the result past a
@@ -410,7 +469,7 @@ cdef extern from *:
     #ifdef GCD_EXACT_AVX2
         int avx2 = gc_simd() >= 1;  /* (AVX2 with F16C: every AVX2 CPU has it) */
         if (n > 2 && gc_simd_fp() >= 2) return gcd_exact_f32_512(xs, n, m, out, div, recip, limit, hi, lo, bmin, F);
-        if (n > 2 && avx2) return gcd_exact_f32_avx2(xs, n, m, out, div, recip, limit, hi, lo, bmin, F);
+        if (n > 2 && avx2) return gcd_exact_f32_blk(xs, n, m, out, div, recip, limit, hi, lo, bmin, F);
         if (n == 2 && gc_simd_fp() >= 2 && (recip == 1.0 || recip == 0.5))
             return gcd_exact2_f32_512(xs, m, out, div, recip, limit, hi, lo, bmin);
         if (n == 2 && avx2 && (recip == 1.0 || recip == 0.5))

@@ -96,8 +96,12 @@ def exact_reduce(own: np.ndarray, rows: np.ndarray, out: np.ndarray, divisor: fl
     with np.errstate(invalid="ignore", over="ignore"):  # NaN/Inf columns are replaced below
         fixed = np.rint(np.ldexp(x, f - e)).sum(axis=0)  # exact: integers of at most 2**52
         res = np.ldexp(fixed, e - f) / divisor
-        if special.any():
-            res[special] = x[:, special].sum(axis=0) / divisor
+        if special.any():  # in rank order: NumPy's sum starts from +0.0, which would drop the sign of -0 + -0
+            cols = x[:, special]
+            total = cols[0]
+            for row in cols[1:]:
+                total = total + row
+            res[special] = total / divisor
         out[...] = res
     bad = np.flatnonzero(~np.isfinite(out))
     return int(bad[0]) if bad.size else -1

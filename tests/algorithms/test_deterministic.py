@@ -120,12 +120,14 @@ def test_fused_kernel_matches_numpy_reference(dtype: Any, k: int) -> None:
     x[1 % (k + 1), 6] = np.nan
     x[:, 7] = np.finfo(dtype).tiny / 8  # subnormal
     x[:, 8] = np.finfo(dtype).max
+    x[:, 9] = -0.0  # every contribution -0.0: the result keeps the sign (NumPy's own sum would not)
     a, b = np.empty(m, dtype), np.empty(m, dtype)
     for div in (1.0, float(k + 1), 3.0):
         ia = exact_reduce(x[0], x[1:], a, div, backend="numpy")
         ib = exact_reduce(x[0], x[1:], b, div)
         assert ia == ib == 4
         assert a.tobytes() == b.tobytes()
+        assert np.signbit(a[9]) and a[9] == 0
     same = x[0].copy()  # out may alias own
     exact_reduce(same, x[1:], same, 3.0)
     assert same.tobytes() == b.tobytes()

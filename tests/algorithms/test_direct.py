@@ -170,6 +170,48 @@ def test_deterministic_on_the_window_equals_the_numpy_reference_in_every_lane(n:
                 assert b.tobytes() == want.tobytes(), (level, mode)
 
 
+def sparse_contributions(n: int, count: int, seed: int) -> list[np.ndarray]:
+    """Gradient-like contributions (within the grid's span almost everywhere) with a few elements of every
+    other kind, each alone in its block of 64: the block test passes on most blocks, fails on those (far
+    apart, subnormal next to normal, Inf, NaN), and a block whose sums leave float32's range passes it."""
+    rng = np.random.default_rng(seed)
+    data = [(rng.standard_normal(count) * 1e-3).astype(np.float32) for _ in range(n)]
+    blocks = rng.permutation(count // 64)[:60] * 64 + rng.integers(0, 64, 60)
+    far, sub, inf, nan, big, zero = np.split(blocks, 6)
+    data[0][far] = data[0][far] * np.float32(2.0 ** -40)
+    data[n - 1][sub] = np.float32(1e-42)
+    data[1][inf] = np.inf
+    data[n - 1][nan] = np.nan
+    for r, d in enumerate(data):
+        d[big] = np.float32(3e38) * np.float32(1 - r / 100)
+        d[zero] = -0.0
+    return data
+
+
+@pytest.mark.parametrize("n", [3, 4, 5, 8, 9])
+def test_deterministic_on_the_window_block_by_block(n: int) -> None:
+    from gradcoll.kernels import exact_reference
+    count = 64 * 300 + 13  # a tail after the blocks
+    data = sparse_contributions(n, count, seed=n)
+    for op in ("mean", "sum"):
+        want = np.empty(count, np.float32)
+        exact_reference.exact_reduce(data[0], np.stack(data[1:]), want, float(n) if op == "mean" else 1.0)
+        for level in simd_widths("gradcoll.algorithms._direct_c"):
+            bufs = [d.copy() for d in data]
+            each_rank(n, lambda r, t: direct_exact(t, bufs[r], op=op, check_finite=False, seq=1, timeout=20.0,
+                                                   mode="one-shot"))
+            for b in bufs:
+                assert b.tobytes() == want.tobytes(), (level, op)
+    # a passing block whose sum leaves float32's range: every rank fails, at that element
+    bufs = [np.full(count, 0.5 * (r + 1), np.float32) for r in range(n)]
+    bufs[1][4097] = bufs[2][4097] = np.float32(3e38)
+    ts = create_world(n, timeout=10)
+    _, errors = gather_ranks(lambda r: direct_exact(ts[r], bufs[r], op="sum", check_finite=True, seq=2,
+                                                    timeout=20.0, mode="one-shot"), n)
+    for r, e in enumerate(errors):
+        assert isinstance(e, NonFiniteError) and e.index == 4097, (r, e)
+
+
 @pytest.mark.parametrize("wire", ["bf16", "fp16"])
 def test_wire_dtype_on_the_window(wire: str) -> None:
     n, count = 4, 30_000
