@@ -88,3 +88,25 @@ def test_results_whose_sum_overflows_are_finite(backend: str | None, dtype: type
         out = at(off, m, dtype)
         K.mean_reduce([at(2, m, dtype, big), at(0, m, dtype, 0.0)], out=out, op="sum", backend=backend)
         assert np.all(out == dtype(big))
+
+
+@pytest.mark.parametrize("dtype", [np.float32, np.float64])
+def test_finite_check_of_a_buffer(dtype: type) -> None:
+    """The compiled check adds four vectors before testing them: a NaN or an Inf anywhere (vector body, a
+    later 64 KiB block, the tail) is found, and finite values whose sum overflows are not reported."""
+    for m in (0, 1, 31, 33, 16384 * 2 + 77, 100_003):
+        for off in (0, 3):
+            big = at(off, m, dtype, np.finfo(dtype).max / 1.5)
+            assert _finite(big)
+            for where in sorted({0, 7, 31, m // 2, m - 1} & set(range(m))):
+                for bad in (np.nan, np.inf, -np.inf):
+                    x = at(off, m, dtype, 0.5)
+                    x[where] = bad
+                    with pytest.raises(gradcoll.NonFiniteError) as ei:
+                        K.check_finite(x, backend="cython")
+                    assert ei.value.index == where, (m, off, where)
+
+
+def _finite(buf: np.ndarray) -> bool:
+    K.check_finite(buf, backend="cython")  # raises NonFiniteError when it finds one
+    return True
