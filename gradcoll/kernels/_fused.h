@@ -178,7 +178,7 @@ GC_DEFINE_FINITE(gc_finite_d, gc_finite_d_exact, double, 8192)
 /* Elements before the first 64-byte boundary of p (at most m): the loops run them one by one, so that the
  * vector loop's stores never split a cache line. With the output 16 or 48 bytes past a line, as the C
  * library's heap often leaves a NumPy array, the accumulate of 5e4 float32 elements took 1.35x as long in a
- * C harness (docs/kernels.md, "Aligned stores"). */
+ * C harness (docs/kernels.md, "Aligned stores and a cheaper check"). */
 static inline gc_ssize gc_head(const void *p, size_t size, gc_ssize m) {
     gc_ssize h = (gc_ssize)(((64u - ((uintptr_t)p & 63u)) & 63u) / size);
     return h < m ? h : m;
