@@ -24,7 +24,7 @@ from typing import Any
 import numpy as np
 
 from ..algorithms._common import OPS, Workspace, check_op
-from ..algorithms._window_plan import PLAIN
+from ..algorithms._window_plan import EXACT, PLAIN
 from ..algorithms.direct import VARIANT_NAMES, hot_allreduce, hot_variant
 from ..algorithms.halving_doubling import halving_doubling_allreduce
 from ..algorithms.recursive_doubling import recursive_doubling_allreduce
@@ -58,7 +58,12 @@ def fast_allreduce(pg: Any, buf: Any, op: str, algorithm: str, check_finite: boo
         return GENERAL
     limit = pg.timeout if timeout is None else timeout
     if pg._hot:  # one host: what "auto" picks, in fewer steps; a bad op raises here, not inside the collective
-        variant = PLAIN if not (wire_dtype or deterministic) else hot_variant(buf.dtype, op, deterministic, wire_dtype)
+        if not (wire_dtype or deterministic):
+            variant: int | None = PLAIN
+        elif wire_dtype is None and op in _RD_OPS:  # deterministic, mean or sum: hot_variant's answer, sooner
+            variant = EXACT
+        else:
+            variant = hot_variant(buf.dtype, op, deterministic, wire_dtype)
         if variant is None:
             return GENERAL
         return pg._exec.inline(VARIANT_NAMES[variant], hot_allreduce, (
