@@ -31,8 +31,9 @@ Small buffers on a power-of-two group over a transport with a compiled
 exchange-and-reduce (``Transport.exchange_reduce``: tcp's, for small float32
 and float64 mean/sum) take ``_stepped``: the same rounds, tags and bits,
 one compiled call per round (send, receive, header check, fused reduce and
-finite check), and the frame of the guard reduced to what the happy path
-needs. The error path is the guard's: on any failure it builds the
+finite check), or every round in one call where the transport has that
+(``Transport.exchange_rounds``: tcp's, below 64 KiB), and the frame of the
+guard reduced to what the happy path needs. The error path is the guard's: on any failure it builds the
 collective's ``Coll`` as the guard would have and calls ``fail``. A rank
 whose input is not finite, or whose transport declines the first round,
 runs the guard's general path instead (its frames are the same).
@@ -156,7 +157,24 @@ def _stepped(t: Transport, buf: np.ndarray, op: str, check: bool, seq: int, time
     started = time.monotonic()
     coll: Coll | None = None
     found: list[tuple[int, float]] = []  # this rank's input, not finite beyond the first round's first piece
-    for k in range(rounds):
+    k0 = 0
+    many = getattr(t, "exchange_rounds", None)
+    if many is not None and rounds > 1:  # every round in one compiled call (the first k0 of them done)
+        at, t0 = [0], time.perf_counter()
+        try:
+            peers = t.__dict__.get("_rd_peers")
+            if peers is None:
+                peers = t._rd_peers = tuple(me ^ (1 << k) for k in range(rounds))  # type: ignore[attr-defined]
+            k0 = many(peers, flat, tmp, tag0 + tags.RD_ROUND,
+                      max(0.0, started + limit - time.monotonic()), n if op == "mean" else 1, check, found, at)
+        except ERRORS as exc:
+            coll = _coll(t, flat, seq, limit, started, desc, tag0, rounds, at[0], found)
+            fail(coll, coll.translate(exc, me ^ (1 << at[0])) if isinstance(exc, TRANSLATED) else exc)
+        finally:
+            t.note_wait(time.perf_counter() - t0)
+        if found:
+            coll = _coll(t, flat, seq, limit, started, desc, tag0, rounds, 0, found)
+    for k in range(k0, rounds):
         peer, last = me ^ (1 << k), k == rounds - 1
         t0 = time.perf_counter()
         try:

@@ -38,8 +38,9 @@ class FramedTransport(Transport):
         self._woken: Callable[[int], BaseException] | None = None  # set by interrupt(), raised by the next wait
         self._busy: dict[Link, None] = {}  # links with queued work, in insertion order
         # The link whose socket a compiled step (gradcoll.transport.tcp_fast) moves bytes on, outside the lock,
-        # while this thread drives: no other thread writes to it meanwhile; it wakes the step instead.
-        self._stepping: Link | None = None
+        # while this thread drives (a tuple: the links of a call of several rounds): no other thread writes to
+        # them meanwhile; it wakes the step instead.
+        self._stepping: Link | tuple[Link, ...] | None = None
 
     #: Try to read at ``irecv`` time (cheap for memory rings, a wasted syscall for sockets).
     _eager_pull = False
@@ -84,7 +85,9 @@ class FramedTransport(Transport):
             (link.sendq if is_send else link.recvq).append(op)
             self._busy[link] = None
             if is_send:
-                if len(link.sendq) == 1 and link is not self._stepping:
+                stepping = self._stepping
+                if len(link.sendq) == 1 and (stepping is None or (
+                        link is not stepping and (type(stepping) is not tuple or link not in stepping))):
                     self._push(link)  # inline: a small message completes right here
             elif self._eager_pull and len(link.recvq) == 1:
                 self._pull(link)

@@ -534,6 +534,193 @@ cdef inline Py_ssize_t _pull_ring(int fd, uint8_t* h, uint8_t* ring, Py_ssize_t 
 #: Elements reduced at a time while the frames move (64 KiB of float32): the received bytes are still in cache,
 #: and the reduction fills the time the sockets make the call wait.
 cdef Py_ssize_t REDUCE_STEP = 16384
+
+
+cdef struct XS:
+    # one exchange's state: what ``_xloop`` reads, and what it leaves for the caller
+    int fd, wake, is64, mode, serr, rerr, eof, bad, fin, outcome
+    bint same, copy, check, check_acc, bad_in_acc
+    uint8_t* a
+    uint8_t* sp
+    uint8_t* rg
+    uint8_t* stg
+    Py_ssize_t m, nbytes, sm, total, stotal, item, ahead, rsize, stsize, st_lo, st_hi
+    Py_ssize_t soff, roff, red, chk, bad_i
+    uint32_t tag
+    uint64_t rseq
+    double f, spin, timeout, end, bad_v
+    Checked stck
+    uint8_t sh[HDR]
+    uint8_t rh[HDR]
+
+
+cdef void _xloop(XS* s) noexcept nogil:
+    """``exchange``'s loop on ``s`` (the frames from ``s.soff``/``s.roff``, the header ``s.sh`` written): moves,
+    checks and reduces until both frames are done or something stops it; ``s.outcome`` says which."""
+    cdef Py_ssize_t before, upto, ready_elems, lim, floor_b, pay
+    cdef int moved, ready, ms
+    cdef pollfd pfd[2]
+    cdef double now, spin_end
+    now = _now()
+    spin_end = now + s.spin
+    while True:
+        before = s.soff
+        lim = s.roff + s.ahead if s.roff > HDR else HDR + s.ahead
+        if lim > s.stotal or s.roff >= s.total or s.copy:  # (a longer send than receive goes on once it is done)
+            lim = s.stotal
+        if s.chk < s.sm and s.stg == NULL:  # the input's next piece, checked just before the socket copies it
+            upto = (lim - HDR + s.item - 1) // s.item
+            if upto > s.sm:
+                upto = s.sm
+            if upto > s.chk:
+                if not _finite(s.sp, s.chk, upto, s.is64):
+                    if s.bad_i < 0:
+                        s.bad_i = _first_bad(s.sp, s.chk, upto, s.is64)
+                        s.bad_v = (<double*>s.sp)[s.bad_i] if s.is64 else (<float*>s.sp)[s.bad_i]
+                    upto = s.sm  # the result is not finite: nothing more to find
+                s.chk = upto
+        if s.stg != NULL:  # everything the socket takes now (the input checked as it is staged)
+            s.soff = _push_staged(s.fd, s.sh, s.sp, s.soff, lim, s.stg, s.stsize, &s.st_lo, &s.st_hi, &s.serr,
+                                  &s.stck if s.chk < s.sm else NULL)
+            if s.stck.bad_i >= 0 and s.bad_i < 0:
+                s.bad_i, s.bad_v = s.stck.bad_i, s.stck.bad_v
+        else:
+            s.soff = _move(s.fd, s.sh, s.sp, s.soff, lim, True, &s.serr, &s.eof)
+        moved = s.soff > before
+        if s.serr:
+            break
+        while s.roff < s.total:  # everything already here, the header checked once it is complete
+            before = s.roff
+            if s.copy:
+                s.roff = _move(s.fd, s.rh, s.a, s.roff, s.total, False, &s.rerr, &s.eof)
+            else:
+                s.roff = _pull_ring(s.fd, s.rh, s.rg, s.rsize, s.roff, s.total, s.red * s.item + s.rsize, &s.rerr,
+                                    &s.eof)
+            moved = moved or s.roff > before
+            if not (before < HDR <= s.roff):
+                break  # in whole, or nothing more to read now, or an error, or the end of the stream
+            if not _is_header(s.rh, s.tag, s.rseq, s.nbytes):
+                s.bad = 1
+                break
+        if s.rerr or s.eof or s.bad:
+            break
+        if s.soff == s.stotal and s.roff == s.total and s.copy:
+            s.outcome = X_DONE
+            break
+        if s.soff == s.stotal and s.roff == s.total:
+            if s.check_acc and s.bad_i < 0 and not _finite(s.a, s.red, s.m, s.is64):
+                s.bad_i, s.bad_in_acc = _first_bad(s.a, s.red, s.m, s.is64), True
+                s.bad_v = (<double*>s.a)[s.bad_i] if s.is64 else (<float*>s.a)[s.bad_i]
+            s.fin = _acc_ring(s.a, s.rg, s.rsize, s.red, s.m, s.item, s.is64, s.f, s.mode) & s.fin
+            s.red = s.m
+            s.outcome = X_DONE if s.fin or not s.check else X_NONFINITE
+            if s.outcome == X_NONFINITE:
+                _mark(s.a, s.is64)
+            break
+        ready_elems = ((s.soff if s.same and s.soff < s.roff else s.roff) - HDR) // s.item
+        pay = s.roff - HDR if s.roff > HDR else 0
+        floor_b = s.red * s.item
+        if not s.copy and ready_elems > s.red and (ready_elems - s.red >= REDUCE_STEP or pay - floor_b >= s.rsize):
+            # sent (when the accumulator is what is sent) and received: reduce it while the sockets work (now,
+            # when the ring is full)
+            if s.check_acc and s.bad_i < 0 and not _finite(s.a, s.red, ready_elems, s.is64):
+                s.bad_i, s.bad_in_acc = _first_bad(s.a, s.red, ready_elems, s.is64), True
+                s.bad_v = (<double*>s.a)[s.bad_i] if s.is64 else (<float*>s.a)[s.bad_i]
+            s.fin = _acc_ring(s.a, s.rg, s.rsize, s.red, ready_elems, s.item, s.is64, s.f, s.mode) & s.fin
+            s.red = ready_elems
+            continue
+        if moved:
+            spin_end = _now() + s.spin  # the spin counts from the last byte moved
+            continue
+        pfd[0].fd = s.fd
+        pfd[0].events = (POLLIN_ if s.roff < s.total and (s.copy or s.roff < HDR or pay - floor_b < s.rsize) else 0) \
+            | (POLLOUT_ if s.soff < lim else 0)
+        pfd[0].revents = 0
+        pfd[1].fd = s.wake
+        pfd[1].events = POLLIN_
+        pfd[1].revents = 0
+        now = _now()
+        if s.timeout >= 0 and now >= s.end:
+            break  # the engine raises the timeout, with its words (checked while spinning too: a peer that
+            # trickles bytes keeps the spin going)
+        if now < spin_end:
+            ready = poll(pfd, 2, 0)
+            if ready == 0:
+                sched_yield()
+        else:
+            ms = 60000 if s.timeout < 0 or s.end - now > 60.0 else <int>((s.end - now) * 1000.0) + 1
+            ready = poll(pfd, 2, ms)
+        if ready > 0 and pfd[1].revents:
+            break  # another thread queued work: the engine drives from here
+
+
+cdef inline void _xround(XS* s, int fd, uint64_t sseq, uint64_t rseq, double divisor) noexcept nogil:
+    """Set ``s`` up for a fresh exchange on ``fd`` (frames ``sseq`` out, ``rseq`` in), the sum divided by
+    ``divisor``; the arrays, sizes, ring, tag and deadline are the caller's."""
+    s.fd, s.rseq = fd, rseq
+    s.soff = s.roff = s.red = 0
+    s.serr = s.rerr = s.eof = s.bad = 0
+    s.fin, s.outcome = 1, X_STOPPED
+    s.bad_i, s.bad_v, s.bad_in_acc = -1, 0.0, False
+    s.st_lo = s.st_hi = 0
+    _put_header(s.sh, s.tag, sseq, s.stotal - HDR)
+    s.mode = _finish(divisor, &s.f)
+
+
+cdef tuple _xresult(XS* s, uint8_t* b):
+    """``exchange``'s answer from ``s`` (what a stopped call received goes to ``b``: the engine carries on there)."""
+    if s.outcome == X_STOPPED and s.roff > HDR and not s.copy:
+        _spill(s.rg, s.rsize, b, s.red * s.item, s.roff - HDR)
+    return (s.outcome, s.soff, s.roff, s.serr, s.rerr, bool(s.eof),
+            (<bytes>(<char*>s.rh)[:min(s.roff, HDR)]) if s.outcome == X_STOPPED and s.roff else None, s.red,
+            bool(s.fin), None if s.bad_i < 0 else (s.bad_i, s.bad_v, bool(s.bad_in_acc)))
+
+
+cdef int _xarrays(XS* s, cnp.ndarray acc, cnp.ndarray tmp, object src, bint copy, uint8_t[::1] ring,
+                  Py_ssize_t ahead) except -1:
+    """Check ``exchange``'s arrays and fill ``s`` with them."""
+    s.is64 = cnp.PyArray_TYPE(acc) == cnp.NPY_DOUBLE
+    s.m, s.nbytes = cnp.PyArray_SIZE(acc), cnp.PyArray_NBYTES(acc)
+    if (not s.is64 and cnp.PyArray_TYPE(acc) != cnp.NPY_FLOAT) or cnp.PyArray_TYPE(tmp) != cnp.PyArray_TYPE(acc) \
+            or cnp.PyArray_SIZE(tmp) != s.m or not cnp.PyArray_IS_C_CONTIGUOUS(acc) \
+            or not cnp.PyArray_IS_C_CONTIGUOUS(tmp) or not cnp.PyArray_ISWRITEABLE(acc) \
+            or not cnp.PyArray_ISWRITEABLE(tmp):
+        raise ValueError("exchange takes two writeable C-contiguous float32 or float64 arrays of one size")
+    s.same = src is None or src is acc
+    if s.same and copy:
+        raise ValueError("exchange copies into the accumulator only what it receives for another array it sends")
+    if s.same:
+        src = acc
+    elif cnp.PyArray_TYPE(<cnp.ndarray>src) != cnp.PyArray_TYPE(acc) \
+            or not cnp.PyArray_IS_C_CONTIGUOUS(<cnp.ndarray>src):
+        raise ValueError("exchange sends a C-contiguous array of the accumulator's dtype")
+    s.a = <uint8_t*>cnp.PyArray_DATA(acc)
+    s.sp = <uint8_t*>cnp.PyArray_DATA(<cnp.ndarray>src)
+    s.sm = cnp.PyArray_SIZE(<cnp.ndarray>src)
+    cdef Py_ssize_t snbytes = cnp.PyArray_NBYTES(<cnp.ndarray>src)
+    if not s.same and snbytes and s.nbytes and s.sp < s.a + s.nbytes and s.a < s.sp + snbytes:
+        raise ValueError("exchange's send array overlaps its accumulator")
+    s.total, s.stotal, s.item, s.copy = HDR + s.nbytes, HDR + snbytes, 8 if s.is64 else 4, copy
+    s.rsize, s.ahead = ring.shape[0], ahead
+    if ahead < 4096 or s.rsize < 4096 or s.rsize % 8:
+        raise ValueError("exchange runs the send at least 4096 bytes ahead and a ring of 8k >= 4096 bytes")
+    s.rg = &ring[0]
+    s.stg, s.stsize = NULL, 0
+    return 0
+
+
+cdef inline bint _x_first_piece(XS* s, bint check_input) noexcept nogil:
+    """The input check's first piece (``s.ahead`` bytes) before anything is sent; False: it is not finite."""
+    s.chk = s.sm
+    if check_input and s.sm:
+        s.chk = s.ahead // s.item if s.sm > s.ahead // s.item else s.sm
+        if not _finite(s.sp, 0, s.chk, s.is64):
+            return False
+    s.stck.done, s.stck.size, s.stck.item, s.stck.bad_i, s.stck.is64, s.stck.bad_v = \
+        s.chk, s.sm, s.item, -1, s.is64, 0.0
+    return True
+
+
 def exchange(int fd, int wake, cnp.ndarray acc, cnp.ndarray tmp, uint32_t tag, uint64_t sseq, uint64_t rseq,
              double spin, double timeout, double divisor, bint check_input, bint check, Py_ssize_t ahead,
              uint8_t[::1] ring, cnp.ndarray src=None, bint copy=False, uint8_t[::1] stage=None):
@@ -580,148 +767,61 @@ def exchange(int fd, int wake, cnp.ndarray acc, cnp.ndarray tmp, uint32_t tag, u
     tag, length): the caller's engine then judges it. After ``STOPPED`` the
     caller finishes the frames and then ``reduce_rest``.
     """
-    cdef int is64 = cnp.PyArray_TYPE(acc) == cnp.NPY_DOUBLE
-    cdef Py_ssize_t m = cnp.PyArray_SIZE(acc), nbytes = cnp.PyArray_NBYTES(acc)
-    if (not is64 and cnp.PyArray_TYPE(acc) != cnp.NPY_FLOAT) or cnp.PyArray_TYPE(tmp) != cnp.PyArray_TYPE(acc) \
-            or cnp.PyArray_SIZE(tmp) != m or not cnp.PyArray_IS_C_CONTIGUOUS(acc) \
-            or not cnp.PyArray_IS_C_CONTIGUOUS(tmp) or not cnp.PyArray_ISWRITEABLE(acc) \
-            or not cnp.PyArray_ISWRITEABLE(tmp):
-        raise ValueError("exchange takes two writeable C-contiguous float32 or float64 arrays of one size")
-    cdef bint same = src is None or src is acc
-    if same and copy:
-        raise ValueError("exchange copies into the accumulator only what it receives for another array it sends")
-    if same:
-        src = acc
-    elif cnp.PyArray_TYPE(src) != cnp.PyArray_TYPE(acc) or not cnp.PyArray_IS_C_CONTIGUOUS(src):
-        raise ValueError("exchange sends a C-contiguous array of the accumulator's dtype")
-    cdef uint8_t* a = <uint8_t*>cnp.PyArray_DATA(acc)
-    cdef uint8_t* b = <uint8_t*>cnp.PyArray_DATA(tmp)
-    cdef uint8_t* sp = <uint8_t*>cnp.PyArray_DATA(src)
-    cdef Py_ssize_t sm = cnp.PyArray_SIZE(src), snbytes = cnp.PyArray_NBYTES(src)
-    if not same and snbytes and nbytes and sp < a + nbytes and a < sp + snbytes:
-        raise ValueError("exchange's send array overlaps its accumulator")
-    cdef uint8_t sh[HDR]
-    cdef uint8_t rh[HDR]
-    cdef Py_ssize_t total = HDR + nbytes, stotal = HDR + snbytes, soff = 0, roff = 0, before, red = 0
-    cdef Py_ssize_t item = 8 if is64 else 4, chk = sm, bad_i = -1, upto, ready_elems, lim
-    cdef int serr = 0, rerr = 0, eof = 0, bad = 0, moved, ready, ms, outcome = X_STOPPED, mode, fin = 1
-    cdef bint check_acc = check_input and not same, bad_in_acc = False
-    cdef pollfd pfd[2]
-    cdef double now, spin_end, end, f, bad_v = 0.0
-    cdef Py_ssize_t rsize = ring.shape[0], floor_b, pay
-    if ahead < 4096 or rsize < 4096 or rsize % 8:
-        raise ValueError("exchange runs the send at least 4096 bytes ahead and a ring of 8k >= 4096 bytes")
-    cdef uint8_t* rg = &ring[0]
-    cdef uint8_t* stg = NULL
-    cdef Py_ssize_t stsize = 0, st_lo = 0, st_hi = 0
-    if stage is not None and stage.shape[0] >= 4096 and snbytes and _aliased(sp):
-        stg = &stage[0]
-        stsize = stage.shape[0]
-    cdef Checked stck
-    if check_input and sm:
-        chk = ahead // item if sm > ahead // item else sm
-        if not _finite(sp, 0, chk, is64):
-            return X_BAD_INPUT, 0, 0, 0, 0, False, None, 0, True, None
-    stck.done, stck.size, stck.item, stck.bad_i, stck.is64, stck.bad_v = chk, sm, item, -1, is64, 0.0
-    _put_header(sh, tag, sseq, snbytes)
-    mode = _finish(divisor, &f)
+    cdef XS s
+    _xarrays(&s, acc, tmp, src, copy, ring, ahead)
+    s.wake, s.tag, s.check, s.spin, s.timeout = wake, tag, check, spin, timeout
+    s.check_acc = check_input and not s.same
+    _xround(&s, fd, sseq, rseq, divisor)
+    if stage is not None and stage.shape[0] >= 4096 and s.stotal > HDR and _aliased(s.sp):
+        s.stg, s.stsize = &stage[0], stage.shape[0]
+    if not _x_first_piece(&s, check_input):
+        return X_BAD_INPUT, 0, 0, 0, 0, False, None, 0, True, None
     with nogil:
-        now = _now()
-        spin_end = now + spin
-        end = now + timeout
+        s.end = _now() + timeout
+        _xloop(&s)
+    return _xresult(&s, <uint8_t*>cnp.PyArray_DATA(tmp))
+
+
+def exchange_rounds(const int[::1] fds, int wake, cnp.ndarray acc, cnp.ndarray tmp, uint32_t tag,
+                    const uint64_t[::1] sseqs, const uint64_t[::1] rseqs, double spin, double timeout,
+                    double divisor, bint check_input, bint check, Py_ssize_t ahead, uint8_t[::1] ring):
+    """``exchange`` on each of the links ``fds`` in turn, ``acc`` sent and the peer's frame added into it (the
+    rounds of a recursive-doubling allreduce), in one call: round ``k`` sends frame ``sseqs[k]`` and receives
+    ``rseqs[k]``, with ``tag``; the last round's sum is divided by ``divisor``; ``check_input`` checks ``acc`` in
+    the first round only. A round whose result is not finite marks element 0 (NaN) and the rounds go on, which
+    carry the mark. ``timeout`` is for all the rounds together.
+
+    Returns ``(k, outcome, ...)``: the index of the last round run and ``exchange``'s answer for it (``STOPPED``:
+    the rounds from ``k`` on are the caller's; ``BAD_INPUT``: nothing was sent), its ``bad_input`` that of the
+    first round. No staging (the caller's frames are small).
+    """
+    cdef XS s
+    cdef Py_ssize_t k = 0, rounds = fds.shape[0]
+    cdef object bad0 = None
+    if rounds < 1 or sseqs.shape[0] != rounds or rseqs.shape[0] != rounds:
+        raise ValueError("exchange_rounds takes one fd, send seq and receive seq per round")
+    _xarrays(&s, acc, tmp, None, False, ring, ahead)
+    s.wake, s.tag, s.check, s.spin, s.timeout = wake, tag, check, spin, timeout
+    s.check_acc = False
+    _xround(&s, fds[0], sseqs[0], rseqs[0], divisor if rounds == 1 else 1.0)
+    if not _x_first_piece(&s, check_input):
+        return (0, X_BAD_INPUT, 0, 0, 0, 0, False, None, 0, True, None)
+    with nogil:
+        s.end = _now() + timeout
         while True:
-            before = soff
-            lim = roff + ahead if roff > HDR else HDR + ahead
-            if lim > stotal or roff >= total or copy:  # (a longer send than receive goes on once it is done)
-                lim = stotal
-            if chk < sm and stg == NULL:  # the input's next piece, checked just before the socket copies it
-                upto = (lim - HDR + item - 1) // item
-                if upto > sm:
-                    upto = sm
-                if upto > chk:
-                    if not _finite(sp, chk, upto, is64):
-                        if bad_i < 0:
-                            bad_i = _first_bad(sp, chk, upto, is64)
-                            bad_v = (<double*>sp)[bad_i] if is64 else (<float*>sp)[bad_i]
-                        upto = sm  # the result is not finite: nothing more to find
-                    chk = upto
-            if stg != NULL:  # everything the socket takes now (the input checked as it is staged)
-                soff = _push_staged(fd, sh, sp, soff, lim, stg, stsize, &st_lo, &st_hi, &serr,
-                                    &stck if chk < sm else NULL)
-                if stck.bad_i >= 0 and bad_i < 0:
-                    bad_i, bad_v = stck.bad_i, stck.bad_v
-            else:
-                soff = _move(fd, sh, sp, soff, lim, True, &serr, &eof)
-            moved = soff > before
-            if serr:
+            _xloop(&s)
+            if s.outcome == X_STOPPED or k == rounds - 1:
                 break
-            while roff < total:  # everything already here, the header checked once it is complete
-                before = roff
-                if copy:
-                    roff = _move(fd, rh, a, roff, total, False, &rerr, &eof)
-                else:
-                    roff = _pull_ring(fd, rh, rg, rsize, roff, total, red * item + rsize, &rerr, &eof)
-                moved = moved or roff > before
-                if not (before < HDR <= roff):
-                    break  # in whole, or nothing more to read now, or an error, or the end of the stream
-                if not _is_header(rh, tag, rseq, nbytes):
-                    bad = 1
-                    break
-            if rerr or eof or bad:
-                break
-            if soff == stotal and roff == total and copy:
-                outcome = X_DONE
-                break
-            if soff == stotal and roff == total:
-                if check_acc and bad_i < 0 and not _finite(a, red, m, is64):
-                    bad_i, bad_in_acc = _first_bad(a, red, m, is64), True
-                    bad_v = (<double*>a)[bad_i] if is64 else (<float*>a)[bad_i]
-                fin = _acc_ring(a, rg, rsize, red, m, item, is64, f, mode) & fin
-                red = m
-                outcome = X_DONE if fin or not check else X_NONFINITE
-                if outcome == X_NONFINITE:
-                    _mark(a, is64)
-                break
-            ready_elems = ((soff if same and soff < roff else roff) - HDR) // item
-            pay = roff - HDR if roff > HDR else 0
-            floor_b = red * item
-            if not copy and ready_elems > red and (ready_elems - red >= REDUCE_STEP or pay - floor_b >= rsize):
-                # sent (when the accumulator is what is sent) and received: reduce it while the sockets work (now,
-                # when the ring is full)
-                if check_acc and bad_i < 0 and not _finite(a, red, ready_elems, is64):
-                    bad_i, bad_in_acc = _first_bad(a, red, ready_elems, is64), True
-                    bad_v = (<double*>a)[bad_i] if is64 else (<float*>a)[bad_i]
-                fin = _acc_ring(a, rg, rsize, red, ready_elems, item, is64, f, mode) & fin
-                red = ready_elems
-                continue
-            if moved:
-                spin_end = _now() + spin  # the spin counts from the last byte moved
-                continue
-            pfd[0].fd = fd
-            pfd[0].events = (POLLIN_ if roff < total and (copy or roff < HDR or pay - floor_b < rsize) else 0) \
-                | (POLLOUT_ if soff < lim else 0)
-            pfd[0].revents = 0
-            pfd[1].fd = wake
-            pfd[1].events = POLLIN_
-            pfd[1].revents = 0
-            now = _now()
-            if timeout >= 0 and now >= end:
-                break  # the engine raises the timeout, with its words (checked while spinning too: a peer that
-                # trickles bytes keeps the spin going)
-            if now < spin_end:
-                ready = poll(pfd, 2, 0)
-                if ready == 0:
-                    sched_yield()
-            else:
-                ms = 60000 if timeout < 0 or end - now > 60.0 else <int>((end - now) * 1000.0) + 1
-                ready = poll(pfd, 2, ms)
-            if ready > 0 and pfd[1].revents:
-                break  # another thread queued work: the engine drives from here
-    if outcome == X_STOPPED and roff > HDR and not copy:
-        _spill(rg, rsize, b, red * item, roff - HDR)  # what the engine carries on from: tmp holds it
-    return (outcome, soff, roff, serr, rerr, bool(eof),
-            (<bytes>(<char*>rh)[:min(roff, HDR)]) if outcome == X_STOPPED and roff else None, red, bool(fin),
-            None if bad_i < 0 else (bad_i, bad_v, bool(bad_in_acc)))
+            if k == 0 and s.bad_i >= 0:
+                with gil:
+                    bad0 = (s.bad_i, s.bad_v, bool(s.bad_in_acc))
+            k += 1
+            _xround(&s, fds[k], sseqs[k], rseqs[k], divisor if k == rounds - 1 else 1.0)
+            s.chk = s.sm  # (the input is checked in the first round only)
+    out = _xresult(&s, <uint8_t*>cnp.PyArray_DATA(tmp))
+    if k > 0:
+        out = out[:9] + (bad0,)
+    return (k,) + out
 
 
 def reduce_rest(cnp.ndarray acc, cnp.ndarray tmp, Py_ssize_t done, double divisor, bint finite, bint check):

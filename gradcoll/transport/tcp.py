@@ -57,6 +57,7 @@ from ..errors import ProtocolError, TransportAborted, TransportBroken, Transport
 from ..store import Store
 from . import frame as fr
 from . import tcp_fast as fast
+from . import tcp_rounds
 from . import tcp_secure as sec
 from ._engine import FramedTransport, Link, Op
 from .tcp_connect import SOCKBUF, Linked, connect
@@ -152,6 +153,13 @@ class TcpTransport(FramedTransport):
             return fast.DECLINED
         return fast.exchange_reduce(self, _IO, peer, acc, tmp, tag, timeout, divisor, check_input, check, found,
                                     send, at, copy)
+
+    def exchange_rounds(self, peers: tuple[int, ...], acc: np.ndarray, tmp: np.ndarray, tag: int, timeout: float | None,
+                        divisor: float, check: bool, found: list[tuple[int, float]], at: list[int]) -> int:
+        """``exchange_reduce`` with each of ``peers`` in turn, in one compiled call where it can (``tcp_rounds``)."""
+        if _IO is None:
+            return 0
+        return tcp_rounds.exchange_rounds(self, _IO, peers, acc, tmp, tag, timeout, divisor, check, found, at)
 
     # -- waiting ---------------------------------------------------------
     def _before_idle(self) -> None:

@@ -13,6 +13,7 @@ import socket
 import struct
 import threading
 import time
+from collections import Counter
 from typing import Any
 
 import numpy as np
@@ -22,7 +23,7 @@ from gradcoll.algorithms import ALLREDUCE, tags
 from gradcoll.errors import CollectiveMismatch, CollectiveTimeout, NonFiniteError, ProtocolError, TransportBroken, TransportClosed
 from gradcoll.testing import gather_ranks, threaded_group
 from gradcoll.transport import frame as fr
-from gradcoll.transport import tcp, tcp_fast
+from gradcoll.transport import tcp, tcp_fast, tcp_rounds
 from gradcoll.transport.frame import FrameMismatch
 from tests.faults._harness import problems, run_collective_fault
 from tests.transport.test_tcp import _read_exactly as _read
@@ -36,21 +37,36 @@ DECLINED, MOVED, REDUCED, NONFINITE = tcp_fast.DECLINED, tcp_fast.MOVED, tcp_fas
 
 @pytest.fixture
 def outcomes(monkeypatch) -> list[Any]:
-    """Every outcome of the compiled step in this test, in order (the class of what it raised, when it raised)."""
+    """Every outcome of the compiled step in this test, in order (the class of what it raised, when it raised);
+    ``("rounds", k)`` for a call of several rounds in one (``exchange_rounds``) that did ``k`` of them."""
     seen: list[Any] = []
-    real = tcp_fast.exchange_reduce
 
-    def spy(*a: Any, **k: Any) -> int:
-        try:
-            out = real(*a, **k)
-        except BaseException as e:
-            seen.append(type(e))
-            raise
-        seen.append(out)
-        return out
+    def spy(module: Any, name: str) -> Any:
+        real = getattr(module, name)
 
-    monkeypatch.setattr(tcp_fast, "exchange_reduce", spy)
+        def call(*a: Any, **k: Any) -> int:
+            try:
+                out = real(*a, **k)
+            except BaseException as e:
+                seen.append(type(e))
+                raise
+            seen.append(out if name == "exchange_reduce" else ("rounds", out))
+            return out
+
+        return call
+
+    monkeypatch.setattr(tcp_fast, "exchange_reduce", spy(tcp_fast, "exchange_reduce"))
+    monkeypatch.setattr(tcp_rounds, "exchange_rounds", spy(tcp_rounds, "exchange_rounds"))
     return seen
+
+
+def steps(n: int, nbytes: int) -> Counter[Any]:
+    """The outcomes of a healthy allreduce of ``nbytes`` on ``n`` ranks (a power of two): its rounds in one call
+    each on more than 2 ranks below ``tcp_fast.STAGE_MIN``; else one step per round (the one-call form declined)."""
+    rounds = n.bit_length() - 1
+    if rounds > 1 and nbytes < tcp_fast.STAGE_MIN:
+        return Counter({("rounds", rounds): n})
+    return Counter({REDUCED: n * rounds, **({("rounds", 0): n} if rounds > 1 else {})})
 
 
 @pytest.fixture(scope="module")
@@ -96,7 +112,7 @@ def test_small_allreduce_is_exact_and_takes_the_compiled_step(worlds, outcomes, 
     want = rd_reference(data, op)
     for b in bufs:
         assert b.tobytes() == want.tobytes()  # bitwise, on every rank
-    assert outcomes == [REDUCED] * (n * (n.bit_length() - 1))
+    assert Counter(outcomes) == steps(n, data[0].nbytes)
 
 
 def test_the_same_bits_as_the_general_path(worlds, outcomes, monkeypatch) -> None:
@@ -105,7 +121,7 @@ def test_the_same_bits_as_the_general_path(worlds, outcomes, monkeypatch) -> Non
     data = [rng.standard_normal(3001).astype(np.float32) * 1e3 for _ in range(4)]
     stepped = [d.copy() for d in data]
     assert allreduce_all(ts, stepped, seq=1) == [None] * 4
-    assert outcomes and set(outcomes) == {REDUCED}
+    assert Counter(outcomes) == steps(4, data[0].nbytes)
     monkeypatch.setattr(tcp, "_IO", None)  # GRADCOLL_TCP_PURE_PYTHON=1: the engine in Python, the general path
     general = [d.copy() for d in data]
     outcomes.clear()
@@ -147,7 +163,9 @@ def test_a_nan_input_halts_every_rank_naming_it(worlds, outcomes) -> None:
     for r, e in enumerate(allreduce_all(ts, bufs, seq=7)):
         assert isinstance(e, NonFiniteError), (r, e)
         assert (e.contributor, e.index, e.seq, e.rank) == (2, 37, 7, r)
-    assert outcomes.count(DECLINED) == 1 and NONFINITE in outcomes
+    # rank 2's rounds in one call decline first; the others' rounds all run, carrying the NaN they met
+    assert outcomes.count(DECLINED) == 1 and outcomes.count(("rounds", 0)) == 1
+    assert outcomes.count(("rounds", 2)) == 3
 
 
 #: float32 elements in the first piece the step checks before it sends anything (``tcp_fast.PIECE_BYTES``).
@@ -163,7 +181,7 @@ def test_large_buffers_take_the_step_with_the_general_paths_bits(worlds, outcome
     data = [(rng.standard_normal(m) * 1e3).astype(dtype) for _ in range(n)]
     stepped = [d.copy() for d in data]
     assert allreduce_all(ts, stepped, seq=3) == [None] * n
-    assert outcomes and set(outcomes) == {REDUCED}
+    assert Counter(outcomes) == steps(n, data[0].nbytes)
     monkeypatch.setattr(tcp, "_IO", None)
     general = [d.copy() for d in data]
     assert allreduce_all(ts, general, seq=4) == [None] * n
