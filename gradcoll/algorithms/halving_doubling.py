@@ -35,11 +35,13 @@ to every rank. See docs/algorithms/halving_doubling.md.
 Over tcp, power-of-two groups run every round as one compiled call of the
 transport's exchange-and-reduce (``Transport.exchange_reduce`` with a send
 array of its own): a reduce-scatter round adds the peer's bytes as they
-arrive, an allgather round (``copy``) receives them in place.
+arrive, an allgather round (``copy``) receives them in place. All the rounds
+are one such call where the transport has that (``Transport.exchange_plan``).
 """
 
 from __future__ import annotations
 
+import array
 import time
 from collections.abc import Callable
 
@@ -150,7 +152,11 @@ def hd_pass(coll: Coll, flat: np.ndarray, opts: Options, divisor: int | None = N
         return 2 * pv + 1 if pv < r else pv + r
 
     step = _step(coll, opts, n if divisor is None else divisor) if stepped else None
+    done = _all_rounds(coll, opts, n if divisor is None else divisor, flat, tmp, plan, bounds, rs, ag) \
+        if step is not None and r == 0 else 0
     for k, (pv, klo, khi, slo, shi) in enumerate(plan):
+        if k < done:
+            continue
         coll.step = base + k + 1
         a, b, c, d = bounds[klo], bounds[khi], bounds[slo], bounds[shi]
         how = _DECLINED if step is None else step(k, rank_of(pv), flat, (a, b, c, d), tmp[: b - a], rs,
@@ -162,6 +168,8 @@ def hd_pass(coll: Coll, flat: np.ndarray, opts: Options, divisor: int | None = N
         if b > a:
             combine(flat[a:b], tmp[: b - a], k == rounds - 1)
     for k in range(rounds - 1, -1, -1):
+        if 2 * rounds - 1 - k < done:
+            continue
         pv, klo, khi, slo, shi = plan[k]
         coll.step = base + 2 * rounds - k
         mine, theirs = flat[bounds[klo] : bounds[khi]], flat[bounds[slo] : bounds[shi]]
@@ -171,6 +179,52 @@ def hd_pass(coll: Coll, flat: np.ndarray, opts: Options, divisor: int | None = N
     if me < 2 * r:
         coll.step = coll.steps
         coll.send(me - 1, flat, unfold)
+
+
+#: ``Transport.exchange_plan``'s round flags (``gradcoll.transport.tcp_rounds``): copy, divide.
+_COPY, _DIVIDE = 1, 2
+
+
+def _all_rounds(coll: Coll, opts: Options, divisor: int, flat: np.ndarray, tmp: np.ndarray,
+                plan: list[tuple[int, int, int, int, int]], bounds: list[int], rs: int, ag: int) -> int:
+    """Every round of a power-of-two group in one compiled call where the transport has that
+    (``Transport.exchange_plan``): how many rounds it did (0: none, nothing moved; the loops run the rest).
+
+    The reduce-scatter rounds, then the allgather's in reverse, each as ``_step`` runs it; the first one
+    checks this rank's input (a non-finite element goes into ``coll.status``).
+    """
+    t = coll.t
+    run = getattr(t, "exchange_plan", None)
+    if run is None:
+        return 0
+    rounds = len(plan)
+    mean = opts.op == "mean"
+    peers: list[int] = []
+    where: list[int] = []
+    flags: list[int] = []
+    for k, (pv, klo, khi, slo, shi) in enumerate(plan):
+        peers.append(pv)
+        where += (bounds[klo], bounds[khi], bounds[slo], bounds[shi])
+        flags.append(_DIVIDE if mean and k == rounds - 1 else 0)
+    for k in range(rounds - 1, -1, -1):
+        pv, klo, khi, slo, shi = plan[k]
+        peers.append(pv)
+        where += (bounds[slo], bounds[shi], bounds[klo], bounds[khi])
+        flags.append(_COPY)
+    found: list[tuple[int, float]] = []
+    at = [0]
+    t0 = time.perf_counter()
+    try:
+        return int(run(tuple(peers), flat, tmp, array.array("I", [rs] * rounds + [ag] * rounds),
+                       array.array("q", where), array.array("i", flags), coll.deadline.remaining(), divisor,
+                       opts.check_finite, found, at))
+    except BaseException:
+        coll.step = at[0] + 1  # the round that failed, for the error (no fold: the group is a power of two)
+        raise
+    finally:
+        t.note_wait(time.perf_counter() - t0)  # as Coll.sendrecv counts it (ProcessGroup.stats() "wait time")
+        if found and coll.status is None:  # this rank's input: the culprit's record, even if a round failed
+            coll.status = (NONFINITE, int(found[0][0]), float(found[0][1]))
 
 
 def _step(coll: Coll, opts: Options, divisor: int) -> Callable[..., int]:

@@ -32,7 +32,7 @@ exchange-and-reduce (``Transport.exchange_reduce``: tcp's, for small float32
 and float64 mean/sum) take ``_stepped``: the same rounds, tags and bits,
 one compiled call per round (send, receive, header check, fused reduce and
 finite check), or every round in one call where the transport has that
-(``Transport.exchange_rounds``: tcp's, below 64 KiB), and the frame of the
+(``Transport.exchange_rounds``: tcp's), and the frame of the
 guard reduced to what the happy path needs. The error path is the guard's: on any failure it builds the
 collective's ``Coll`` as the guard would have and calls ``fail``. A rank
 whose input is not finite, or whose transport declines the first round,

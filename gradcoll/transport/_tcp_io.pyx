@@ -654,6 +654,11 @@ cdef void _xloop(XS* s) noexcept nogil:
             break  # another thread queued work: the engine drives from here
 
 
+cdef enum:
+    PLAN_COPY_ = 1
+    PLAN_DIVIDE_ = 2
+
+
 cdef inline void _xround(XS* s, int fd, uint64_t sseq, uint64_t rseq, double divisor) noexcept nogil:
     """Set ``s`` up for a fresh exchange on ``fd`` (frames ``sseq`` out, ``rseq`` in), the sum divided by
     ``divisor``; the arrays, sizes, ring, tag and deadline are the caller's."""
@@ -782,28 +787,73 @@ def exchange(int fd, int wake, cnp.ndarray acc, cnp.ndarray tmp, uint32_t tag, u
     return _xresult(&s, <uint8_t*>cnp.PyArray_DATA(tmp))
 
 
-def exchange_rounds(const int[::1] fds, int wake, cnp.ndarray acc, cnp.ndarray tmp, uint32_t tag,
-                    const uint64_t[::1] sseqs, const uint64_t[::1] rseqs, double spin, double timeout,
-                    double divisor, bint check_input, bint check, Py_ssize_t ahead, uint8_t[::1] ring):
-    """``exchange`` on each of the links ``fds`` in turn, ``acc`` sent and the peer's frame added into it (the
-    rounds of a recursive-doubling allreduce), in one call: round ``k`` sends frame ``sseqs[k]`` and receives
-    ``rseqs[k]``, with ``tag``; the last round's sum is divided by ``divisor``; ``check_input`` checks ``acc`` in
-    the first round only. A round whose result is not finite marks element 0 (NaN) and the rounds go on, which
-    carry the mark. ``timeout`` is for all the rounds together.
+cdef inline void _xplan(XS* s, uint8_t* base, const Py_ssize_t[::1] where, const int[::1] flags, Py_ssize_t k,
+                        const int[::1] fds, const uint32_t[::1] tags, const uint64_t[::1] sseqs,
+                        const uint64_t[::1] rseqs, double divisor, uint8_t* stage, Py_ssize_t stsize) noexcept nogil:
+    """``s`` set up for round ``k`` of ``exchange_plan``."""
+    cdef Py_ssize_t a = where[4 * k], b = where[4 * k + 1], c = where[4 * k + 2], d = where[4 * k + 3]
+    s.a, s.m = base + a * s.item, b - a
+    s.nbytes, s.total = s.m * s.item, HDR + s.m * s.item
+    s.sp, s.sm = base + c * s.item, d - c
+    s.stotal = HDR + s.sm * s.item
+    s.same, s.copy, s.tag = a == c and b == d, flags[k] & PLAN_COPY_, tags[k]
+    _xround(s, fds[k], sseqs[k], rseqs[k], divisor if flags[k] & PLAN_DIVIDE_ else 1.0)
+    s.stg, s.stsize = NULL, 0
+    if stage != NULL and s.stotal > HDR and _aliased(s.sp):
+        s.stg, s.stsize = stage, stsize
+
+
+#: ``exchange_plan``'s round flags: receive into the array and reduce nothing; divide the round's sum.
+PLAN_COPY, PLAN_DIVIDE = 1, 2
+
+
+def exchange_plan(const int[::1] fds, int wake, cnp.ndarray flat, cnp.ndarray tmp, const uint32_t[::1] tags,
+                  const uint64_t[::1] sseqs, const uint64_t[::1] rseqs, const Py_ssize_t[::1] where,
+                  const int[::1] flags, double spin, double timeout, double divisor, bint check_input, bint check,
+                  Py_ssize_t ahead, uint8_t[::1] ring, uint8_t[::1] stage=None):
+    """``exchange`` round after round in one call, on parts of one buffer (the rounds of a recursive doubling, or of
+    a halving-doubling's reduce-scatter and allgather): round ``k`` runs on the link ``fds[k]`` with tag ``tags[k]``,
+    sends frame ``sseqs[k]`` of ``flat[c:d]`` and receives frame ``rseqs[k]``, of ``b - a`` elements, into
+    ``flat[a:b]`` (``where[4k:4k+4]`` is ``a, b, c, d``): added into it (through the ring, ``tmp`` as ``exchange``'s),
+    or copied (``flags[k] & PLAN_COPY``). The sum of a round with ``PLAN_DIVIDE`` is divided by ``divisor``.
+    ``check_input`` checks the first round's arrays as ``exchange`` does. A round whose result is not finite
+    marks the first element it received into (NaN), as ``exchange`` does, and the rounds go on. ``timeout`` is
+    for all the rounds together.
 
     Returns ``(k, outcome, ...)``: the index of the last round run and ``exchange``'s answer for it (``STOPPED``:
     the rounds from ``k`` on are the caller's; ``BAD_INPUT``: nothing was sent), its ``bad_input`` that of the
-    first round. No staging (the caller's frames are small).
+    first round (an index of ``flat[a:b]`` when ``in_acc``, else of ``flat[c:d]``). ``stage`` as ``exchange``'s.
     """
     cdef XS s
-    cdef Py_ssize_t k = 0, rounds = fds.shape[0]
+    cdef Py_ssize_t k = 0, rounds = fds.shape[0], size, most = 0, i
     cdef object bad0 = None
-    if rounds < 1 or sseqs.shape[0] != rounds or rseqs.shape[0] != rounds:
-        raise ValueError("exchange_rounds takes one fd, send seq and receive seq per round")
-    _xarrays(&s, acc, tmp, None, False, ring, ahead)
-    s.wake, s.tag, s.check, s.spin, s.timeout = wake, tag, check, spin, timeout
-    s.check_acc = False
-    _xround(&s, fds[0], sseqs[0], rseqs[0], divisor if rounds == 1 else 1.0)
+    cdef uint8_t* base
+    cdef uint8_t* stg = NULL
+    cdef Py_ssize_t stsize = 0
+    if rounds < 1 or sseqs.shape[0] != rounds or rseqs.shape[0] != rounds or tags.shape[0] != rounds \
+            or flags.shape[0] != rounds or where.shape[0] != 4 * rounds:
+        raise ValueError("exchange_plan takes one fd, tag, send seq, receive seq, flag and four bounds per round")
+    _xarrays(&s, flat, flat, None, False, ring, ahead)
+    if cnp.PyArray_TYPE(tmp) != cnp.PyArray_TYPE(flat) or not cnp.PyArray_IS_C_CONTIGUOUS(tmp) \
+            or not cnp.PyArray_ISWRITEABLE(tmp):
+        raise ValueError("exchange_plan takes a writeable C-contiguous tmp of the buffer's dtype")
+    size = s.m
+    for i in range(rounds):
+        a, b, c, d = where[4 * i], where[4 * i + 1], where[4 * i + 2], where[4 * i + 3]
+        if not (0 <= a <= b <= size and 0 <= c <= d <= size):
+            raise ValueError(f"exchange_plan's round {i} is out of the buffer: {a, b, c, d}, size {size}")
+        if not (a == c and b == d) and b > a and d > c and a < d and c < b:
+            raise ValueError(f"exchange_plan's round {i} sends part of what it receives into")
+        if not flags[i] & PLAN_COPY_ and b - a > most:
+            most = b - a
+    if cnp.PyArray_SIZE(tmp) < most:
+        raise ValueError("exchange_plan's tmp is smaller than a round's receive")
+    base = <uint8_t*>cnp.PyArray_DATA(flat)
+    if stage is not None and stage.shape[0] >= 4096:
+        stg, stsize = &stage[0], stage.shape[0]
+    s.wake, s.check, s.spin, s.timeout = wake, check, spin, timeout
+    _xplan(&s, base, where, flags, 0, fds, tags, sseqs, rseqs, divisor, stg, stsize)
+    s.check_acc = check_input and not s.same
     if not _x_first_piece(&s, check_input):
         return (0, X_BAD_INPUT, 0, 0, 0, 0, False, None, 0, True, None)
     with nogil:
@@ -816,7 +866,8 @@ def exchange_rounds(const int[::1] fds, int wake, cnp.ndarray acc, cnp.ndarray t
                 with gil:
                     bad0 = (s.bad_i, s.bad_v, bool(s.bad_in_acc))
             k += 1
-            _xround(&s, fds[k], sseqs[k], rseqs[k], divisor if k == rounds - 1 else 1.0)
+            _xplan(&s, base, where, flags, k, fds, tags, sseqs, rseqs, divisor, stg, stsize)
+            s.check_acc = False
             s.chk = s.sm  # (the input is checked in the first round only)
     out = _xresult(&s, <uint8_t*>cnp.PyArray_DATA(tmp))
     if k > 0:

@@ -47,7 +47,7 @@ import socket
 import ssl
 import time
 from types import ModuleType
-from typing import cast
+from typing import Any, cast
 
 import numpy as np
 
@@ -154,12 +154,13 @@ class TcpTransport(FramedTransport):
         return fast.exchange_reduce(self, _IO, peer, acc, tmp, tag, timeout, divisor, check_input, check, found,
                                     send, at, copy)
 
-    def exchange_rounds(self, peers: tuple[int, ...], acc: np.ndarray, tmp: np.ndarray, tag: int, timeout: float | None,
-                        divisor: float, check: bool, found: list[tuple[int, float]], at: list[int]) -> int:
-        """``exchange_reduce`` with each of ``peers`` in turn, in one compiled call where it can (``tcp_rounds``)."""
-        if _IO is None:
-            return 0
-        return tcp_rounds.exchange_rounds(self, _IO, peers, acc, tmp, tag, timeout, divisor, check, found, at)
+    def exchange_rounds(self, *args: Any) -> int:
+        """A recursive doubling's rounds in one compiled call where it can (``tcp_rounds.exchange_rounds``)."""
+        return 0 if _IO is None else tcp_rounds.exchange_rounds(self, _IO, *args)
+
+    def exchange_plan(self, *args: Any) -> int:
+        """An allreduce's rounds on parts of one buffer in one compiled call (``tcp_rounds.exchange_plan``)."""
+        return 0 if _IO is None else tcp_rounds.exchange_plan(self, _IO, *args)
 
     # -- waiting ---------------------------------------------------------
     def _before_idle(self) -> None:

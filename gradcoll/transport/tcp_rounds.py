@@ -1,21 +1,24 @@
-"""tcp's recursive-doubling rounds in one compiled call (``_tcp_io.exchange_rounds``).
+"""tcp's multi-round allreduces in one compiled call (``_tcp_io.exchange_plan``).
 
 A recursive doubling over ``p`` ranks runs ``log2 p`` exchange-and-reduce
-steps (``gradcoll.transport.tcp_fast``), one per round, each with the same
-Python around it: the checks of the link, the transport's lock, the seqs,
-the hand-over. Here that is done once for all the rounds, and one ``nogil``
-call runs them back to back: round ``k`` sends the buffer to its partner and
-adds the partner's frame into it, as the step does, and the next round starts
-as soon as it is done. On 4 ranks at 4 KiB this took the calls' Python from
-14.5 to 9.5 us of CPU time per call (docs/performance.md, "Rounds in one
-call").
+steps (``gradcoll.transport.tcp_fast``), a halving-doubling ``2 log2 p``
+(its reduce-scatter and its allgather), each step with the same Python
+around it: the checks of the link, the transport's lock, the seqs, the
+hand-over. Here that is done once for all the rounds, and one ``nogil`` call
+runs them back to back: round ``k`` sends one part of the buffer to its
+partner and adds the partner's frame into another (or copies it there, in
+an allgather round), as the step does, and the next round starts as soon as
+it is done. A link may serve several rounds (a halving-doubling's
+reduce-scatter and allgather meet the same partners): its rounds take
+consecutive seqs. On 4 ranks at 4 KiB this took the calls' Python from 14.5
+to 9.5 us of CPU time per call (docs/performance.md, "Rounds in one call").
 
-It takes what the step takes, below ``STAGE_MIN`` (the frames are never
-staged), and declines before a byte moves where the step would decline on
-any of the rounds' links. A round that stops early (a header not due, an
-error, the end of a stream, the deadline, another thread's work) is handed
-to the engine as the step hands its one round (``tcp_fast._adopt``), the
-rounds before it done, the ones after it not started: the caller runs those.
+It takes what the step takes (the sends staged where the step stages them),
+and declines before a byte moves where the step would decline on any of the
+rounds' links. A round that stops early (a header not due, an error, the end
+of a stream, the deadline, another thread's work) is handed to the engine as
+the step hands its one round (``tcp_fast._adopt``), the rounds before it
+done, the ones after it not started: the caller runs those.
 """
 
 from __future__ import annotations
@@ -28,110 +31,145 @@ from typing import Any
 import numpy as np
 
 from . import frame as fr
-from .tcp_fast import PIECE_BYTES, STAGE_MIN, STEP_SPIN_S, _adopt, _ring
+from . import tcp_fast as fast
+from .tcp_fast import _adopt, _ring, _stage, staging
 
-__all__ = ["exchange_rounds"]
+__all__ = ["exchange_plan", "exchange_rounds", "COPY", "DIVIDE"]
+
+#: A round's flags (``_tcp_io.PLAN_COPY``, ``PLAN_DIVIDE``): receive into the buffer and reduce nothing (an
+#: allgather round); divide the round's sum by the call's divisor (the last reduce-scatter round of a mean).
+COPY, DIVIDE = 1, 2
+
+
+class _Links:
+    """The links of a sequence of rounds (their peers checked once, kept on the transport per sequence)."""
+
+    __slots__ = ("links", "uniq", "rounds_of", "off", "fds", "sseqs", "rseqs")
+
+    def __init__(self, t: Any, peers: tuple[int, ...]) -> None:
+        self.links: list[Any] = []
+        self.uniq: list[Any] = []
+        self.rounds_of: list[list[int]] = []  # per distinct link, its rounds in order
+        self.off: list[int] = []  # per round, how many earlier rounds its link serves
+        for k, peer in enumerate(peers):
+            if type(peer) is not int or not 0 <= peer < t.size or peer == t.rank:
+                t._check_peer(peer)
+            link = t._links[peer]
+            if link not in self.uniq:
+                self.uniq.append(link)
+                self.rounds_of.append([])
+            mine = self.rounds_of[self.uniq.index(link)]
+            self.off.append(len(mine))
+            mine.append(k)
+            self.links.append(link)
+        n = len(peers)
+        self.fds = array.array("i", [link.fd for link in self.links])
+        self.sseqs, self.rseqs = array.array("Q", [0] * n), array.array("Q", [0] * n)
+
+    def release(self, t: Any, upto: int, stopped: bool) -> None:
+        """After the call: rounds before ``upto`` moved both frames, round ``upto`` was ``stopped`` (``_adopt``
+        takes it over; the transport stays driven until it does) or not started, the rest not started."""
+        with t._mu:
+            for link, rounds in zip(self.uniq, self.rounds_of, strict=True):
+                done = [k for k in rounds if k < upto]
+                if done:
+                    link.recv_seq = self.rseqs[done[-1]] + 1
+                link.send_seq = self.sseqs[rounds[0]] + len(done) + (1 if stopped and upto in rounds else 0)
+            if stopped:
+                t._stepping = self.links[upto]
+            else:
+                t._driving, t._stepping = False, None
+            for link in self.uniq:
+                if link.sendq and not (stopped and link is self.links[upto]):  # queued behind by another thread
+                    t._push(link)
+            if t._sleepers and not stopped:
+                t._cv.notify_all()
+
+
+def exchange_plan(t: Any, io: ModuleType, peers: tuple[int, ...], flat: np.ndarray, tmp: np.ndarray,
+                  tags: array.array[int], where: array.array[int], flags: array.array[int], timeout: float | None,
+                  divisor: float, check: bool, found: list[tuple[int, float]], at: list[int]) -> int:
+    """The rounds of an allreduce on ``flat`` in one compiled call: round ``k`` with ``peers[k]``, tag
+    ``tags[k]``, sends ``flat[c:d]`` and adds the peer's frame into ``flat[a:b]`` (``where[4k:4k+4]``), or
+    copies it there (``flags[k] & COPY``); ``DIVIDE`` divides the round's sum by ``divisor``. ``check``: the
+    first round checks its arrays as ``exchange_reduce``'s ``check_input`` does, and every sum is checked.
+
+    Returns how many rounds are done: all of them, or fewer where a round stopped early (the engine then
+    finished that round, as ``exchange_reduce`` does, and the caller runs the others), or 0 with nothing
+    moved: the rounds are the caller's (it declines what ``exchange_reduce`` would decline, and an input that
+    is not finite in the first round's first piece). ``found`` receives ``(index of flat, value)`` as
+    ``exchange_reduce``'s; ``at[0]`` is the round the engine is finishing when that raises.
+    """
+    n = len(peers)
+    if n < 1 or flat.nbytes > fast.SMALL_BYTES:
+        return 0
+    ls = t.__dict__.setdefault("_plans", {}).get(peers)
+    if ls is None:
+        ls = t._plans[peers] = _Links(t, peers)
+    if any(link.secure is not None for link in ls.uniq):
+        return 0
+    for tag in tags:
+        if not 0 <= tag <= fr.MAX_TAG:
+            fr.check_tag(tag)
+    links, off, sseqs, rseqs = ls.links, ls.off, ls.sseqs, ls.rseqs
+    with t._mu:
+        if t._driving or t._queued() or t._woken is not None or t.closed:
+            return 0
+        for link in ls.uniq:
+            if link.stash or link.failure is not None:
+                return 0
+        for k in range(n):
+            link = links[k]
+            sseqs[k], rseqs[k] = link.send_seq + off[k], link.recv_seq + off[k]
+        for link, rounds in zip(ls.uniq, ls.rounds_of, strict=True):
+            link.send_seq += len(rounds)
+        t._driving, t._stepping = True, tuple(ls.uniq)
+    limit = t._timeout(timeout)
+    started = time.monotonic()
+    try:
+        k, out, sent, got, serr, rerr, eof, hdr, red, fin, bad = io.exchange_plan(
+            ls.fds, t._wake_fd, flat, tmp, tags, sseqs, rseqs, where, flags, max(t._spin, fast.STEP_SPIN_S),
+            -1.0 if limit is None else limit, divisor, check, check, fast.PIECE_BYTES, _ring(t),
+            _stage(t) if flat.nbytes <= fast.STAGE_MAX and staging(io) else None)
+    except BaseException:  # refused its arrays: nothing moved
+        ls.release(t, 0, False)
+        raise
+    if out == io.BAD_INPUT:
+        ls.release(t, 0, False)
+        return 0
+    if bad is not None:
+        found.append((where[0 if bad[2] else 2] + bad[0], bad[1]))
+    if out != io.STOPPED:
+        ls.release(t, n, False)
+        return n
+    at[0] = k
+    ls.release(t, k, True)
+    a, b, c, d = where[4 * k: 4 * k + 4]
+    copy = bool(flags[k] & COPY)
+    ops = _adopt(t, links[k], flat[c:d], flat[a:b] if copy else tmp[: b - a], tags[k], sseqs[k], rseqs[k], sent, got,
+                 serr, rerr, eof, hdr)
+    t._wait(ops, None if limit is None else max(0.0, limit - (time.monotonic() - started)))
+    if not copy:  # (not finite: marked, as the round marks it)
+        io.reduce_rest(flat[a:b], tmp[: b - a], red, divisor if flags[k] & DIVIDE else 1.0, fin, check)
+    return int(k) + 1
 
 
 def exchange_rounds(t: Any, io: ModuleType, peers: tuple[int, ...], acc: np.ndarray, tmp: np.ndarray, tag: int,
                     timeout: float | None, divisor: float, check: bool, found: list[tuple[int, float]],
                     at: list[int]) -> int:
-    """The rounds of a recursive doubling, ``exchange_reduce`` with each of ``peers`` in turn (``acc`` sent, the
-    peer's frame added into it; the last round's sum divided by ``divisor``; ``acc`` checked as the first round
-    sends it when ``check``), in one compiled call (``_tcp_io.exchange_rounds``): the Python around a round
-    (the checks, the locking, the seqs) is done once for all of them.
-
-    Returns how many rounds are done, each reduced (a result that is not finite is marked, as a round marks
-    it): ``len(peers)``, or fewer where a round stopped early (the engine then finished that round, as
-    ``exchange_reduce`` does, and the caller runs the others), or 0 with nothing moved: the rounds are the
-    caller's (it declines what ``exchange_reduce`` would decline, buffers from ``STAGE_MIN``, and an input
-    that is not finite in its first piece). ``found`` as ``exchange_reduce``'s; ``at[0]`` is the round the
-    engine is finishing when that raises.
-    """
+    """The rounds of a recursive doubling: ``exchange_plan`` with every round sending all of ``acc`` to
+    ``peers[k]`` and adding the peer's frame into it, the last round's sum divided by ``divisor``."""
     n = len(peers)
-    if n < 2 or acc.nbytes >= STAGE_MIN:
+    if n < 2:
         return 0
-    entry = t.__dict__.get("_rounds", {}).get(peers)
-    if entry is None:
-        entry = _rounds_of(t, peers)
-        if entry is None:
-            return 0
-    links, fds, sseqs, rseqs = entry
-    if type(tag) is not int or not 0 <= tag <= fr.MAX_TAG:
-        fr.check_tag(tag)
-    with t._mu:
-        if t._driving or t._queued() or t._woken is not None or t.closed:
-            return 0
-        i = 0
-        for link in links:
-            if link.stash or link.failure is not None:
-                return 0
-            sseqs[i], rseqs[i] = link.send_seq, link.recv_seq
-            i += 1
-        for link in links:
-            link.send_seq += 1
-        t._driving, t._stepping = True, links
-    limit = t._timeout(timeout)
-    started = time.monotonic()
-    try:
-        k, out, sent, got, serr, rerr, eof, hdr, red, fin, bad = io.exchange_rounds(
-            fds, t._wake_fd, acc, tmp, tag, sseqs, rseqs, max(t._spin, STEP_SPIN_S),
-            -1.0 if limit is None else limit, divisor, check, check, PIECE_BYTES, _ring(t))
-    except BaseException:  # refused its arrays: nothing moved
-        _release_rounds(t, links, sseqs, rseqs, 0, False)
-        raise
-    if out == io.BAD_INPUT:
-        _release_rounds(t, links, sseqs, rseqs, 0, False)
-        return 0
-    if bad is not None:
-        found.append((bad[0], bad[1]))
-    if out != io.STOPPED:
-        _release_rounds(t, links, sseqs, rseqs, n, False)
-        return n
-    at[0] = k
-    _release_rounds(t, links, sseqs, rseqs, k, True)  # round k's link: _adopt's
-    ops = _adopt(t, links[k], acc, tmp, tag, sseqs[k], rseqs[k], sent, got, serr, rerr, eof, hdr)
-    t._wait(ops, None if limit is None else max(0.0, limit - (time.monotonic() - started)))
-    io.reduce_rest(acc, tmp, red, divisor if k == n - 1 else 1.0, fin, check)  # (not finite: marked)
-    return int(k) + 1
-
-
-def _rounds_of(t: Any, peers: tuple[int, ...]) -> tuple[tuple[Any, ...], array.array[int], array.array[int],
-                                                        array.array[int]] | None:
-    """``exchange_rounds``' links to ``peers`` (checked once), their fds and the arrays of the seqs filled per call,
-    kept on the transport; None where a link is secure (its frames are not the compiled loop's)."""
-    links = []
-    for peer in peers:
-        if type(peer) is not int or not 0 <= peer < t.size or peer == t.rank:
-            t._check_peer(peer)
-        link = t._links[peer]
-        if link.secure is not None:
-            return None
-        links.append(link)
-    n = len(links)
-    got = (tuple(links), array.array("i", [link.fd for link in links]), array.array("Q", [0] * n),
-           array.array("Q", [0] * n))
-    t.__dict__.setdefault("_rounds", {})[peers] = got
-    return got
-
-
-def _release_rounds(t: Any, links: tuple[Any, ...], sseqs: array.array[int], rseqs: array.array[int], done: int,
-                    stopped: bool) -> None:
-    """The links of ``exchange_rounds`` after the call: the first ``done`` rounds moved both frames, the rest
-    nothing (their send seqs given back), but for a ``stopped`` round ``done``, which ``_adopt`` takes over
-    (the transport stays driven until it does)."""
-    with t._mu:
-        for i, link in enumerate(links):
-            if i < done:
-                link.recv_seq = rseqs[i] + 1
-            elif not (stopped and i == done):
-                link.send_seq = sseqs[i]
-        if stopped:
-            t._stepping = links[done]
-        else:
-            t._driving, t._stepping = False, None
-        for i, link in enumerate(links):
-            if link.sendq and not (stopped and i == done):  # queued behind the step by another thread
-                t._push(link)
-        if t._sleepers and not stopped:
-            t._cv.notify_all()
+    key = (peers, acc.size)
+    plans = t.__dict__.setdefault("_rd_plans", {})
+    got = plans.get(key)
+    if got is None:
+        got = plans[key] = (array.array("I", [0] * n), array.array("q", [0, acc.size] * 2 * n),
+                            array.array("i", [0] * (n - 1) + [DIVIDE]))
+    tags, where, flags = got
+    for k in range(n):
+        tags[k] = tag
+    return exchange_plan(t, io, peers, acc.reshape(-1), tmp.reshape(-1), tags, where, flags, timeout, divisor, check,
+                         found, at)

@@ -4,8 +4,9 @@ The general path runs in every algorithm test (``ALLREDUCE`` holds it: world
 sizes 1-8, every op, counts 0 to 100,003, the Jidoka and mismatch cases).
 Here: the schedule itself, and over tcp the rounds that go through the
 transport's compiled exchange-and-reduce with a send array of their own
-(``Transport.exchange_reduce(..., send=)``). Every test of the step checks
-that it ran (``outcomes``).
+(``Transport.exchange_reduce(..., send=)``), all of them in one call
+(``Transport.exchange_plan``). Every test of the step checks that it ran
+(``outcomes``).
 """
 
 from __future__ import annotations
@@ -86,7 +87,7 @@ def test_the_compiled_rounds_give_the_general_paths_bits(worlds, outcomes, monke
         outcomes.clear()
         stepped = [d.copy() for d in data]
         assert allreduce_all(ts, stepped, op=op, seq=3) == [None] * n
-        assert outcomes.count(REDUCED) == n * (n.bit_length() - 1)  # every reduce-scatter round of every rank
+        assert outcomes == [("rounds", 2 * (n.bit_length() - 1))] * n  # every round of every rank, in one call
         with monkeypatch.context() as m:
             m.setattr(tcp, "_IO", None)  # the general path: the engine's sendrecv and the kernel's accumulate
             general = [d.copy() for d in data]
@@ -104,7 +105,7 @@ def test_halves_larger_than_the_receive_ring_wrap_it_with_the_general_paths_bits
     data = [rng.standard_normal(m).astype(np.float32) for _ in range(2)]
     stepped = [d.copy() for d in data]
     assert allreduce_all(ts, stepped, seq=5) == [None, None]
-    assert outcomes.count(REDUCED) == 2
+    assert outcomes == [("rounds", 2)] * 2
     monkeypatch.setattr(tcp, "_IO", None)
     general = [d.copy() for d in data]
     assert allreduce_all(ts, general, seq=6) == [None, None]
@@ -134,7 +135,7 @@ def test_an_overflow_in_a_compiled_round_halts_every_rank(worlds, outcomes) -> N
     bufs = [np.full(3 * PIECE, 3e38, np.float32) for _ in range(4)]
     errors = allreduce_all(ts, bufs, op="sum", seq=10)
     assert all(isinstance(e, NonFiniteError) for e in errors), errors
-    assert NONFINITE in outcomes and DECLINED not in outcomes
+    assert outcomes == [("rounds", 4)] * 4  # every round ran, carrying the marker to every rank
 
 
 @needs_io

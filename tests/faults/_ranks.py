@@ -54,8 +54,8 @@ def _arm_self_kill(transport: Any, after: int, conn: Any, sig: int = signal.SIGK
             return fn(*a, **k)
         return hooked
 
-    # the last two: tcp's compiled small-message step, and its rounds in one call
-    for name in ("isend", "irecv", "sendrecv", "exchange_reduce", "exchange_rounds"):
+    # the last three: tcp's compiled small-message step, and its rounds in one call
+    for name in ("isend", "irecv", "sendrecv", "exchange_reduce", "exchange_rounds", "exchange_plan"):
         if hasattr(transport, name):
             setattr(transport, name, wrap(getattr(transport, name)))
     win = getattr(transport, "_group_window", None)

@@ -90,22 +90,23 @@ def _proc_rank(rank: int, size: int, path: str, backend: str, where: str, out: A
             os._exit(1)
         # Exit at this rank's 3rd transport call of the allreduce below: past the reduce-scatter, so the peers
         # are inside the collective with it (4 ranks make 4 calls in halving-doubling, at least 12 in the
-        # ring). A timer could miss a collective that finishes first.
+        # ring), or at the one call of tcp's compiled rounds (exchange_plan: every round of the allreduce),
+        # where the peers are inside it too. A timer could miss a collective that finishes first.
         calls = [0]
 
-        def hooked(fn: Any) -> Any:
+        def hooked(fn: Any, whole: bool) -> Any:
             def call(*a: Any, **k: Any) -> Any:
                 calls[0] += 1
-                if calls[0] == 3:
+                if calls[0] == 3 or whole:
                     with open(path + ".died", "w") as f:  # tells the parent whether it died inside the collective
                         f.write("inside" if g._diag.rec.current is not None else "outside")
                     os._exit(1)
                 return fn(*a, **k)
             return call
 
-        for name in ("isend", "irecv", "sendrecv", "exchange_reduce"):
+        for name in ("isend", "irecv", "sendrecv", "exchange_reduce", "exchange_plan"):
             if hasattr(g.transport, name):
-                setattr(g.transport, name, hooked(getattr(g.transport, name)))
+                setattr(g.transport, name, hooked(getattr(g.transport, name), name == "exchange_plan"))
         g.allreduce(_grad(rank, DIE_AT, n))
         threading.Event().wait(30)
 

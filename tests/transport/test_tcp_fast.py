@@ -38,7 +38,7 @@ DECLINED, MOVED, REDUCED, NONFINITE = tcp_fast.DECLINED, tcp_fast.MOVED, tcp_fas
 @pytest.fixture
 def outcomes(monkeypatch) -> list[Any]:
     """Every outcome of the compiled step in this test, in order (the class of what it raised, when it raised);
-    ``("rounds", k)`` for a call of several rounds in one (``exchange_rounds``) that did ``k`` of them."""
+    ``("rounds", k)`` for a call of several rounds in one (``tcp_rounds.exchange_plan``) that did ``k`` of them."""
     seen: list[Any] = []
 
     def spy(module: Any, name: str) -> Any:
@@ -50,23 +50,21 @@ def outcomes(monkeypatch) -> list[Any]:
             except BaseException as e:
                 seen.append(type(e))
                 raise
-            seen.append(out if name == "exchange_reduce" else ("rounds", out))
+            seen.append(out if name == "exchange_reduce" else ("rounds", out))  # (exchange_plan)
             return out
 
         return call
 
     monkeypatch.setattr(tcp_fast, "exchange_reduce", spy(tcp_fast, "exchange_reduce"))
-    monkeypatch.setattr(tcp_rounds, "exchange_rounds", spy(tcp_rounds, "exchange_rounds"))
+    monkeypatch.setattr(tcp_rounds, "exchange_plan", spy(tcp_rounds, "exchange_plan"))  # (exchange_rounds' too)
     return seen
 
 
-def steps(n: int, nbytes: int) -> Counter[Any]:
-    """The outcomes of a healthy allreduce of ``nbytes`` on ``n`` ranks (a power of two): its rounds in one call
-    each on more than 2 ranks below ``tcp_fast.STAGE_MIN``; else one step per round (the one-call form declined)."""
+def steps(n: int) -> Counter[Any]:
+    """The outcomes of a healthy allreduce on ``n`` ranks (a power of two): its rounds in one call each on
+    more than 2 ranks, else one step per round."""
     rounds = n.bit_length() - 1
-    if rounds > 1 and nbytes < tcp_fast.STAGE_MIN:
-        return Counter({("rounds", rounds): n})
-    return Counter({REDUCED: n * rounds, **({("rounds", 0): n} if rounds > 1 else {})})
+    return Counter({("rounds", rounds): n}) if rounds > 1 else Counter({REDUCED: n * rounds})
 
 
 @pytest.fixture(scope="module")
@@ -112,7 +110,7 @@ def test_small_allreduce_is_exact_and_takes_the_compiled_step(worlds, outcomes, 
     want = rd_reference(data, op)
     for b in bufs:
         assert b.tobytes() == want.tobytes()  # bitwise, on every rank
-    assert Counter(outcomes) == steps(n, data[0].nbytes)
+    assert Counter(outcomes) == steps(n)
 
 
 def test_the_same_bits_as_the_general_path(worlds, outcomes, monkeypatch) -> None:
@@ -121,7 +119,7 @@ def test_the_same_bits_as_the_general_path(worlds, outcomes, monkeypatch) -> Non
     data = [rng.standard_normal(3001).astype(np.float32) * 1e3 for _ in range(4)]
     stepped = [d.copy() for d in data]
     assert allreduce_all(ts, stepped, seq=1) == [None] * 4
-    assert Counter(outcomes) == steps(4, data[0].nbytes)
+    assert Counter(outcomes) == steps(4)
     monkeypatch.setattr(tcp, "_IO", None)  # GRADCOLL_TCP_PURE_PYTHON=1: the engine in Python, the general path
     general = [d.copy() for d in data]
     outcomes.clear()
@@ -181,7 +179,7 @@ def test_large_buffers_take_the_step_with_the_general_paths_bits(worlds, outcome
     data = [(rng.standard_normal(m) * 1e3).astype(dtype) for _ in range(n)]
     stepped = [d.copy() for d in data]
     assert allreduce_all(ts, stepped, seq=3) == [None] * n
-    assert Counter(outcomes) == steps(n, data[0].nbytes)
+    assert Counter(outcomes) == steps(n)
     monkeypatch.setattr(tcp, "_IO", None)
     general = [d.copy() for d in data]
     assert allreduce_all(ts, general, seq=4) == [None] * n
@@ -198,7 +196,7 @@ def test_a_non_finite_input_past_the_first_piece_names_its_rank_and_element(worl
     for r, e in enumerate(allreduce_all(ts, bufs, seq=8)):
         assert isinstance(e, NonFiniteError), (r, e)
         assert (e.contributor, e.index, e.seq, e.rank) == (1, where, 8, r), str(e)
-    assert DECLINED not in outcomes and NONFINITE in outcomes
+    assert outcomes == [("rounds", 2)] * 4  # every rank's rounds ran whole, the NaN carried to the end
 
 
 def _pair(mine_sndbuf: int, peer_sndbuf: int) -> tuple[Any, socket.socket]:

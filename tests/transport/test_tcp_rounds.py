@@ -9,6 +9,7 @@ engine. Group-level results and faults on 4 ranks are in test_tcp_fast.py.
 
 from __future__ import annotations
 
+import array
 import socket
 import threading
 from typing import Any
@@ -19,7 +20,7 @@ import pytest
 from gradcoll.algorithms import tags
 from gradcoll.errors import CollectiveTimeout
 from gradcoll.transport import frame as fr
-from gradcoll.transport import tcp, tcp_fast
+from gradcoll.transport import tcp, tcp_fast, tcp_rounds
 from gradcoll.transport.frame import FrameMismatch
 from tests.transport.test_tcp import _read_exactly as _read
 
@@ -97,9 +98,6 @@ def test_an_input_not_finite_in_its_first_piece_declines_before_a_byte_moves(two
 
 def test_an_input_not_finite_past_the_first_piece_is_found_and_the_frames_still_move(two, monkeypatch) -> None:
     monkeypatch.setattr(tcp_fast, "PIECE_BYTES", 4096)
-    import gradcoll.transport.tcp_rounds as tr
-
-    monkeypatch.setattr(tr, "PIECE_BYTES", 4096)
     t, peers = two
     m = 5000
     peers[1].sendall(_frame(0, np.ones(m, np.float32)))
@@ -119,9 +117,10 @@ def test_an_input_not_finite_past_the_first_piece_is_found_and_the_frames_still_
     assert found == [(3000, np.inf)] and np.isnan(acc[0])
 
 
-def test_larger_buffers_are_the_callers(two) -> None:
+def test_buffers_over_the_steps_limit_are_the_callers(two, monkeypatch) -> None:
+    monkeypatch.setattr(tcp_fast, "SMALL_BYTES", 4096)
     t, _ = two
-    assert _rounds(t, np.ones(tcp_fast.STAGE_MIN // 4, np.float32)) == 0
+    assert _rounds(t, np.ones(4096 // 4 + 1, np.float32)) == 0
 
 
 def test_a_stray_header_in_the_second_round_is_the_engines_mismatch(two) -> None:
@@ -170,3 +169,96 @@ def test_another_threads_send_stops_the_round_and_the_engine_finishes_it(two, st
     if stopped_in == 0:  # round 1 never started: its link's seq was given back, nothing went out on it
         t.send(2, b"abc", tag=7)
         assert _read(peers[2], 27) == fr.pack_header(0, 7, 3) + b"abc"
+
+
+# -- a plan on parts of one buffer, one link serving two rounds (a halving-doubling's on 2 ranks) ----------------
+HD_RS, HD_AG = tags.DESCRIPTOR_FIRST + tags.HD_RS, tags.DESCRIPTOR_FIRST + tags.HD_AG
+
+
+@pytest.fixture
+def one():
+    """Rank 0 of 2 with a raw peer."""
+    mine, theirs = socket.socketpair()
+    t = tcp.TcpTransport(0, 2, {1: mine}, timeout=10)
+    theirs.settimeout(10)
+    yield t, theirs
+    t.close()
+    theirs.close()
+
+
+def _plan(t: Any, flat: np.ndarray, m: int, divide: bool = True, at: list[int] | None = None,
+          found: list[Any] | None = None, check: bool = True) -> int:
+    """Rank 0's halving-doubling on 2 ranks: keep [0, m), send [m, 2m), then send the sum and receive the rest."""
+    where = array.array("q", [0, m, m, 2 * m, m, 2 * m, 0, m])
+    flags = array.array("i", [tcp_rounds.DIVIDE if divide else 0, tcp_rounds.COPY])
+    return int(t.exchange_plan((1, 1), flat, np.empty(m, flat.dtype), array.array("I", [HD_RS, HD_AG]), where, flags,
+                               5.0, 2.0, check, [] if found is None else found, [0] if at is None else at))
+
+
+def test_a_plan_sends_one_part_adds_into_another_then_gathers_on_one_link(one) -> None:
+    t, peer = one
+    m = 700
+    x = np.arange(2 * m, dtype=np.float32)
+    theirs_keep = np.full(m, 3.0, np.float32)  # the peer's copy of [0, m)
+    theirs_sum = np.full(m, -1.0, np.float32)  # the peer's finished [m, 2m)
+    peer.sendall(_frame(0, theirs_keep, HD_RS) + _frame(1, theirs_sum, HD_AG))
+    flat = x.copy()
+    assert _plan(t, flat, m) == 2
+    assert flat[:m].tobytes() == ((x[:m] + theirs_keep) / np.float32(2)).tobytes() and (flat[m:] == -1.0).all()
+    assert _read(peer, 24 + 4 * m) == _frame(0, x[m:], HD_RS)
+    assert _read(peer, 24 + 4 * m) == _frame(1, flat[:m], HD_AG)  # the second round sent the sum: seq 1
+    t.send(1, b"abc", tag=7)
+    assert _read(peer, 27) == fr.pack_header(2, 7, 3) + b"abc"
+
+
+@pytest.mark.parametrize("stopped_in", [0, 1])
+def test_a_plan_stopped_on_a_link_with_another_round_to_come_keeps_the_seqs_in_order(one, stopped_in) -> None:
+    t, peer = one
+    m = 8
+    if stopped_in == 1:
+        peer.sendall(_frame(0, np.full(m, 3.0, np.float32), HD_RS))
+    flat = np.ones(2 * m, np.float32)
+    result: list[Any] = []
+    th = threading.Thread(target=lambda: result.append(_plan(t, flat, m, divide=False)))
+    th.start()
+    _read(peer, 24 + 4 * m)  # the round's frame: it waits for the peer's
+    if stopped_in == 1:
+        _read(peer, 24 + 4 * m)
+    req = t.isend(1, b"user", tag=9)  # queued behind the round on the link the plan still owns
+    assert req.wait(5) == 4
+    assert _read(peer, 28) == fr.pack_header(1 + stopped_in, 9, 4) + b"user"  # after the round's own frame
+    if stopped_in == 0:
+        peer.sendall(_frame(0, np.full(m, 3.0, np.float32), HD_RS))
+    else:
+        peer.sendall(_frame(1, np.full(m, 5.0, np.float32), HD_AG))
+    th.join(10)
+    assert result == [stopped_in + 1]
+    assert (flat[:m] == 4.0).all() and (flat[m:] == (1.0 if stopped_in == 0 else 5.0)).all()
+    # the seqs go on after the user's frame; round 1 never started when round 0 stopped (its seq given back)
+    t.send(1, b"abc", tag=7)
+    assert _read(peer, 27) == fr.pack_header(2 + stopped_in, 7, 3) + b"abc"
+
+
+def test_a_plan_reports_a_bad_element_of_the_part_it_adds_into_at_its_index_in_the_buffer(one, monkeypatch) -> None:
+    monkeypatch.setattr(tcp_fast, "PIECE_BYTES", 4096)
+    t, peer = one
+    m = 3000
+    flat = np.ones(2 * m, np.float32)
+    flat[2500] = np.inf  # in the kept half: checked just before the peer's part is added into it
+    peer.sendall(_frame(0, np.ones(m, np.float32), HD_RS) + _frame(1, np.ones(m, np.float32), HD_AG))
+    found: list[Any] = []
+    th = threading.Thread(target=lambda: (_read(peer, 24 + 4 * m), _read(peer, 24 + 4 * m)))
+    th.start()
+    assert _plan(t, flat, m, found=found) == 2
+    th.join(10)
+    assert found == [(2500, np.inf)]
+
+
+@pytest.mark.parametrize("where", [[0, 5, 3, 8], [0, 5, 0, 4], [0, 9, 0, 1]])
+def test_a_plan_whose_round_sends_part_of_what_it_receives_into_is_refused(one, where) -> None:
+    t, peer = one
+    with pytest.raises(ValueError, match="sends part of what it receives into|out of the buffer"):
+        t.exchange_plan((1,), np.zeros(8, np.float32), np.zeros(8, np.float32), array.array("I", [HD_RS]),
+                        array.array("q", where), array.array("i", [0]), 5.0, 1.0, False, [], [0])
+    t.send(1, b"abc", tag=7)  # nothing was sent and the seqs are where they were
+    assert _read(peer, 27) == fr.pack_header(0, 7, 3) + b"abc"
