@@ -22,6 +22,7 @@ from gradcoll.errors import CollectiveTimeout
 from gradcoll.transport import frame as fr
 from gradcoll.transport import tcp, tcp_fast, tcp_rounds
 from gradcoll.transport.frame import FrameMismatch
+from tests.transport import test_tcp_fast as step_tests
 from tests.transport.test_tcp import _read_exactly as _read
 
 pytestmark = [pytest.mark.timeout(60),
@@ -175,15 +176,7 @@ def test_another_threads_send_stops_the_round_and_the_engine_finishes_it(two, st
 HD_RS, HD_AG = tags.DESCRIPTOR_FIRST + tags.HD_RS, tags.DESCRIPTOR_FIRST + tags.HD_AG
 
 
-@pytest.fixture
-def one():
-    """Rank 0 of 2 with a raw peer."""
-    mine, theirs = socket.socketpair()
-    t = tcp.TcpTransport(0, 2, {1: mine}, timeout=10)
-    theirs.settimeout(10)
-    yield t, theirs
-    t.close()
-    theirs.close()
+one = step_tests.raw  # rank 0 of 2 with a raw peer
 
 
 def _plan(t: Any, flat: np.ndarray, m: int, divide: bool = True, at: list[int] | None = None,
