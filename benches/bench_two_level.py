@@ -4,7 +4,9 @@ Two ``gradcoll launch --nnodes 2`` launchers start the ranks, each with its own 
 group sees two hosts of two ranks: the two-level allreduce reduces inside each "host" through shared memory
 (``gradcoll.transport.routed``), between the two leaders over tcp, and back; the flat ring runs over tcp
 on every link. Every rank alternates the two algorithms per size (float32, mean), ``--repeats`` loops of
-``--iters`` calls; a size's time is rank 0's median loop. The predictions are the stored fitted models
+``--iters`` calls, each loop between two barriers (as ``benches/compare_anchors.py`` times: a loop ends when
+every rank's last call has; without the second barrier rank 0's loop ended before the others' and the ring
+measured up to 1.7x faster at 64 KiB than in ``benches/bench_tcp.py``); a size's time is rank 0's median loop. The predictions are the stored fitted models
 (``gradcoll/model/fitted.json``): the ring under the tcp model on 4 ranks sharing the machine's cores, the
 two-level allreduce as ``gradcoll.model.hierarchy`` composes it (``--cores``, default the CPUs here).
 
@@ -45,6 +47,7 @@ def worker(sizes: list[int], iters: int, repeats: int) -> None:
                 t0 = time.perf_counter()
                 for _ in range(n):
                     g.allreduce(buf, algorithm=a)
+                g.barrier()  # every rank's last call done: no rank's loop ends while the others still work on it
                 times[a].append((time.perf_counter() - t0) / n)
         if g.rank == 0:
             print(TAG + json.dumps({"size": nbytes, **{a: float(np.median(v)) * 1e6 for a, v in times.items()},

@@ -52,6 +52,7 @@ from . import tags
 from ._common import Coll, Options, Workspace, chunk_bounds, combiner, plant, scratch
 from ._guard import guarded_allreduce
 from ._handshake import local_status
+from ._hd_planned import NAME, hd_schedule, plan_arrays, planned
 from ._verdict import NONFINITE
 
 __all__ = ["halving_doubling_allreduce", "hd_pass", "hd_schedule"]
@@ -70,6 +71,8 @@ def halving_doubling_allreduce(transport: Transport, buf: np.ndarray, *, op: str
     if getattr(transport, "exchange_reduce", None) is None or n < 2 or n & (n - 1) or op not in _STEP_OPS \
             or backend not in (None, "cython"):
         return guarded_allreduce(transport, buf, opts, name=_NAME, algo="halving_doubling", body=hd_pass)
+    if type(buf) is np.ndarray and planned(transport, buf, op, check_finite, seq, timeout, workspace, _rest):
+        return buf
     stepped: list[bool] = []
 
     def prepare(coll: Coll, flat: np.ndarray) -> None:
@@ -88,29 +91,16 @@ def halving_doubling_allreduce(transport: Transport, buf: np.ndarray, *, op: str
     return guarded_allreduce(transport, buf, opts, name=_NAME, algo="halving_doubling", body=body, prepare=prepare)
 
 
-_NAME = "halving-doubling allreduce"
+_NAME = NAME
 
 
-def hd_schedule(v: int, p: int) -> list[tuple[int, int, int, int, int]]:
-    """The reduce-scatter rounds of active rank ``v`` of ``p``: ``(partner, keep_lo, keep_hi, send_lo, send_hi)``.
-
-    Bounds are chunk indices (of ``p`` chunks). The allgather runs the same
-    rounds backwards: in round ``k`` it sends ``keep`` and receives ``send``.
-    """
-    lo, hi = 0, p
-    out: list[tuple[int, int, int, int, int]] = []
-    for k in range(p.bit_length() - 1):
-        mid = (lo + hi) // 2
-        if (v >> k) & 1:
-            out.append((v ^ (1 << k), mid, hi, lo, mid))
-            lo = mid
-        else:
-            out.append((v ^ (1 << k), lo, mid, mid, hi))
-            hi = mid
-    return out
+def _rest(coll: Coll, flat: np.ndarray, opts: Options, done: int) -> None:
+    """The rounds of ``_hd_planned``'s call from ``done`` on, through the compiled step."""
+    hd_pass(coll, flat, opts, stepped=True, done=done)
 
 
-def hd_pass(coll: Coll, flat: np.ndarray, opts: Options, divisor: int | None = None, *, stepped: bool = False) -> None:
+def hd_pass(coll: Coll, flat: np.ndarray, opts: Options, divisor: int | None = None, *, stepped: bool = False,
+            done: int | None = None) -> None:
     """The allreduce's schedule; ``mean`` divides by ``divisor`` (default the size; see ``ring.ring_pass``).
 
     ``stepped``: the rounds go through the transport's
@@ -118,7 +108,8 @@ def hd_pass(coll: Coll, flat: np.ndarray, opts: Options, divisor: int | None = N
     mean or sum), which also checks this rank's input in the first round:
     nothing else has checked it (``halving_doubling_allreduce``'s
     ``prepare``). A round it declines runs here, the first one after the
-    frame's own check.
+    frame's own check. ``done``: the rounds already done (by ``_hd_planned``'s one call); None: every round
+    in one call where the transport has that, else none.
     """
     n, me = coll.size, coll.rank
     p = 1 << (n.bit_length() - 1)
@@ -152,8 +143,9 @@ def hd_pass(coll: Coll, flat: np.ndarray, opts: Options, divisor: int | None = N
         return 2 * pv + 1 if pv < r else pv + r
 
     step = _step(coll, opts, n if divisor is None else divisor) if stepped else None
-    done = _all_rounds(coll, opts, n if divisor is None else divisor, flat, tmp, plan, bounds, rs, ag) \
-        if step is not None and r == 0 else 0
+    if done is None:
+        done = _all_rounds(coll, opts, n if divisor is None else divisor, flat, tmp, plan, bounds, rs, ag) \
+            if step is not None and r == 0 else 0
     for k, (pv, klo, khi, slo, shi) in enumerate(plan):
         if k < done:
             continue
@@ -181,10 +173,6 @@ def hd_pass(coll: Coll, flat: np.ndarray, opts: Options, divisor: int | None = N
         coll.send(me - 1, flat, unfold)
 
 
-#: ``Transport.exchange_plan``'s round flags (``gradcoll.transport.tcp_rounds``): copy, divide.
-_COPY, _DIVIDE = 1, 2
-
-
 def _all_rounds(coll: Coll, opts: Options, divisor: int, flat: np.ndarray, tmp: np.ndarray,
                 plan: list[tuple[int, int, int, int, int]], bounds: list[int], rs: int, ag: int) -> int:
     """Every round of a power-of-two group in one compiled call where the transport has that
@@ -198,26 +186,13 @@ def _all_rounds(coll: Coll, opts: Options, divisor: int, flat: np.ndarray, tmp: 
     if run is None:
         return 0
     rounds = len(plan)
-    mean = opts.op == "mean"
-    peers: list[int] = []
-    where: list[int] = []
-    flags: list[int] = []
-    for k, (pv, klo, khi, slo, shi) in enumerate(plan):
-        peers.append(pv)
-        where += (bounds[klo], bounds[khi], bounds[slo], bounds[shi])
-        flags.append(_DIVIDE if mean and k == rounds - 1 else 0)
-    for k in range(rounds - 1, -1, -1):
-        pv, klo, khi, slo, shi = plan[k]
-        peers.append(pv)
-        where += (bounds[slo], bounds[shi], bounds[klo], bounds[khi])
-        flags.append(_COPY)
+    peers, where, flags = plan_arrays(plan, bounds, opts.op == "mean")
     found: list[tuple[int, float]] = []
     at = [0]
     t0 = time.perf_counter()
     try:
-        return int(run(tuple(peers), flat, tmp, array.array("I", [rs] * rounds + [ag] * rounds),
-                       array.array("q", where), array.array("i", flags), coll.deadline.remaining(), divisor,
-                       opts.check_finite, found, at))
+        return int(run(peers, flat, tmp, array.array("I", [rs] * rounds + [ag] * rounds), where, flags,
+                       coll.deadline.remaining(), divisor, opts.check_finite, found, at))
     except BaseException:
         coll.step = at[0] + 1  # the round that failed, for the error (no fold: the group is a power of two)
         raise

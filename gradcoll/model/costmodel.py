@@ -27,9 +27,13 @@ A transport is described by ``AlphaBeta``:
   rank works while others wait (the star's root), not where every rank works at once (the node's shared CPU
   already counts those).
 * ``piece_bytes``: where the transport runs a recursive-doubling round as one compiled step that reduces the
-  peer's bytes as they arrive, with the send at most this far ahead of the receive (tcp: 256 KiB,
+  peer's bytes as they arrive, with the send at most this far ahead of the receive (tcp: 1 MiB,
   ``gradcoll.transport.tcp_fast.PIECE_BYTES``), the round's per-core working set is that piece, not the
   message: the ``l2`` term counts the piece. The step runs where ``n`` is a power of two (no fold, no unfold).
+  There, recursive doubling and halving-doubling run all their rounds in one compiled call
+  (``gradcoll.transport.tcp_rounds``): ``alpha`` and ``switch`` count once per call for them.
+* ``round_s``: per round of such a call (the round trip of its frames), times ``max(1, ranks / cores)``: its
+  waits poll and yield the core instead of sleeping, so a round costs less than an engine's message.
   Not fitted (0: the whole message).
 
 The node is an explicit input (``Node``: ranks on one node and the cores they share); the default,
@@ -93,12 +97,13 @@ from ..errors import UsageError
 from .work import ALGORITHMS, DIRECT_MODES, L2_COPIES, Work, halving_out_of_l2, out_of_l2, terms, work
 
 __all__ = ["AlphaBeta", "Node", "Work", "ALGORITHMS", "DIRECT_MODES", "PARAMETERS", "terms", "work", "predict", "best",
+           "candidates",
            "fit", "crossovers", "busbw", "link_model", "stored_models", "FITTED_PATH", "EARLIER_TIME_KEYS", "out_of_l2",
            "L2_COPIES"]
 
 #: The linear parameters ``fit`` can estimate, in this order.
 PARAMETERS = ("alpha_s", "switch_s", "beta_s_per_byte", "gamma_s_per_byte", "delta_s_per_byte", "mem_s_per_byte",
-              "l2_s_per_byte", "wait_share")
+              "l2_s_per_byte", "wait_share", "round_s")
 
 #: The stored models fitted to this project's measurements (``benches/fit_costmodel.py --write``).
 FITTED_PATH = os.path.join(os.path.dirname(os.path.abspath(__file__)), "fitted.json")
@@ -120,6 +125,7 @@ class AlphaBeta:
     wait_share: float = 0.0
     wait_busy_s: float = 0.0
     piece_bytes: float = 0.0
+    round_s: float = 0.0
 
     def describe(self) -> str:
         """``alpha 12.3 us, beta 1.05 GB/s, gamma 4.2 GB/s`` (bandwidths as 1/beta, ...), then the optional terms."""
@@ -138,6 +144,8 @@ class AlphaBeta:
             out += f", wait share {self.wait_share:.2g} of the first {self.wait_busy_s * 1e6:.3g} us"
         if self.piece_bytes:
             out += f", recursive doubling in {self.piece_bytes / 1024:.3g} KiB pieces"
+        if self.round_s:
+            out += f", {self.round_s * 1e6:.3g} us a compiled round"
         return out
 
 
@@ -188,7 +196,17 @@ def _columns(algorithm: str, n: int, nbytes: float, node: Node | None, model: Al
             # The critical rank works while others wait for it; a waiting rank stays runnable (polls or
             # yields) for the transport's first wait_busy_s, and takes a share of the cores meanwhile.
             waiting = x * min(float(crit @ g), model.wait_busy_s)
-    return np.array([w.messages, w.messages * x, w.link_bytes, *cpu, waiting])
+    # Where the transport runs a power-of-two group's rounds as compiled steps (piece_bytes), recursive doubling
+    # and halving-doubling run all their rounds in one call: the per-message software cost and the wake-up of a
+    # descheduled peer count once for the call, and each round, whose waits poll and yield instead of
+    # sleeping, costs round_s, times the ranks sharing a core.
+    if algorithm in _PLANNED and model is not None and model.piece_bytes > 0 and n > 1 and not n & (n - 1):
+        return np.array([1.0, x, w.link_bytes, *cpu, waiting, w.messages * (1.0 + x)])
+    return np.array([w.messages, w.messages * x, w.link_bytes, *cpu, waiting, 0.0])
+
+
+#: The algorithms a transport with compiled steps (``AlphaBeta.piece_bytes``) runs as one call of all their rounds.
+_PLANNED = ("recursive_doubling", "halving_doubling")
 
 
 def _vector(model: AlphaBeta) -> np.ndarray:
@@ -205,10 +223,20 @@ def busbw(nbytes: float, n: int, seconds: float) -> float:
     return nbytes / seconds * (2 * (n - 1) / n if n > 1 else 1.0)
 
 
+def candidates(model: AlphaBeta, n: int, algorithms: Sequence[str] = ALGORITHMS) -> Sequence[str]:
+    """``algorithms`` less the ring where the transport runs a power-of-two group's rounds compiled
+    (``piece_bytes``): there halving-doubling moves the ring's bytes with its rounds in one call, and the ring's
+    steps stay the engine's messages. On 2 and 4 tcp ranks the ring took 1.15-1.3x halving-doubling's time from
+    1 MiB (docs/scaling.md), which the closed forms tie at 2 ranks within their errors."""
+    if model.piece_bytes > 0 and n > 1 and not n & (n - 1) and "halving_doubling" in algorithms:
+        return tuple(a for a in algorithms if a != "ring")
+    return algorithms
+
+
 def best(n: int, nbytes: float, model: AlphaBeta, algorithms: Sequence[str] = ALGORITHMS, *,
          node: Node | None = None) -> str:
-    """The algorithm with the lowest predicted time (first listed wins ties)."""
-    return min(algorithms, key=lambda a: predict(a, n, nbytes, model, node=node))
+    """The algorithm with the lowest predicted time (first listed wins ties) of the ``candidates``."""
+    return min(candidates(model, n, algorithms), key=lambda a: predict(a, n, nbytes, model, node=node))
 
 
 def _row_node(row: Mapping[str, Any]) -> Node | None:
