@@ -23,15 +23,13 @@ import numpy as np
 from ..transport.base import Transport
 from . import tags
 from ._common import Coll, Options, Workspace, chunk_bounds, scratch
-from ._guard import ERRORS, fail
-from ._handshake import descriptor
+from ._guard import ERRORS, fail, lean_frame
 from ._verdict import NONFINITE
 
 __all__ = ["planned", "plan_arrays", "hd_schedule"]
 
 #: ``Transport.exchange_plan``'s round flags (``gradcoll.transport.tcp_rounds``): copy, divide.
 COPY, DIVIDE = 1, 2
-_DTYPES = (np.dtype(np.float32), np.dtype(np.float64))
 NAME = "halving-doubling allreduce"
 
 
@@ -77,18 +75,11 @@ def planned(t: Transport, buf: np.ndarray, op: str, check: bool, seq: int, timeo
             ws: Workspace | None, rest: Any) -> bool:
     """The allreduce of ``buf`` with every round in one compiled call; False: declined, nothing moved (the guard's
     path runs it). ``rest(coll, flat, opts, done)`` runs the rounds from ``done`` on (``hd_pass``)."""
-    run = getattr(t, "exchange_plan", None)
-    n = t.size
-    if run is None or n < 2 or n & (n - 1) or buf.dtype not in _DTYPES or not buf.flags.c_contiguous \
-            or not buf.flags.writeable:
+    frame = lean_frame(t, buf, "exchange_plan", "halving_doubling", op, check, seq, timeout)
+    if frame is None:
         return False
-    flat = buf.reshape(-1)
-    if flat.nbytes > t.stray_limit:
-        t.stray_limit = flat.nbytes  # as the guard does: frames of this call may arrive as strays
-    desc = descriptor("allreduce", "halving_doubling", op, flat.dtype, flat.size, seq)
-    tag0 = tags.descriptor_tag(desc + (check,), tags.PLAIN)
-    limit = t.timeout if timeout is None else timeout
-    started = time.monotonic()
+    flat, desc, tag0, limit, started = frame
+    run, n = t.exchange_plan, t.size  # type: ignore[attr-defined]
     key = (flat.size, op == "mean")
     cache: dict[Any, Any] = t.__dict__.setdefault("_hd_plans", {})
     got = cache.get(key)

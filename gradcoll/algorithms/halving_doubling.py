@@ -50,7 +50,7 @@ import numpy as np
 from ..transport.base import Transport
 from . import tags
 from ._common import Coll, Options, Workspace, chunk_bounds, combiner, plant, scratch
-from ._guard import guarded_allreduce
+from ._guard import LEAN_DTYPES, guarded_allreduce
 from ._handshake import local_status
 from ._hd_planned import NAME, hd_schedule, plan_arrays, planned
 from ._verdict import NONFINITE
@@ -58,7 +58,7 @@ from ._verdict import NONFINITE
 __all__ = ["halving_doubling_allreduce", "hd_pass", "hd_schedule"]
 
 _STEP_OPS = ("mean", "sum")
-_STEP_DTYPES = (np.dtype(np.float32), np.dtype(np.float64))
+_STEP_DTYPES = LEAN_DTYPES
 _DECLINED, _MOVED = -1, 0  # exchange_reduce's outcomes: nothing moved; moved, not reduced (gradcoll.transport.tcp_fast)
 
 

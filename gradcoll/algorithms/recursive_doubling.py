@@ -50,8 +50,7 @@ import numpy as np
 from ..transport.base import Transport
 from . import tags
 from ._common import TRANSLATED, Coll, Options, Workspace, combiner, scratch
-from ._guard import ERRORS, fail, guarded_allreduce
-from ._handshake import descriptor
+from ._guard import ERRORS, fail, guarded_allreduce, lean_frame
 from ._verdict import NONFINITE
 
 __all__ = ["recursive_doubling_allreduce", "butterfly", "rd_pass"]
@@ -127,7 +126,6 @@ def rd_pass(coll: Coll, flat: np.ndarray, opts: Options, divisor: int | None = N
 
 _NAME = "recursive-doubling allreduce"
 _STEP_OPS = ("mean", "sum")
-_STEP_DTYPES = (np.dtype(np.float32), np.dtype(np.float64))
 _DECLINED, _MOVED = -1, 0  # the outcomes of exchange_reduce this module acts on (gradcoll.transport.tcp_fast)
 
 
@@ -141,20 +139,13 @@ def _stepped(t: Transport, buf: np.ndarray, op: str, check: bool, seq: int, time
     the last round's own check. Runs where the size is a power of two and
     ``t`` has ``exchange_reduce``.
     """
-    step = getattr(t, "exchange_reduce", None)
-    n = t.size
-    if step is None or n < 2 or n & (n - 1) or buf.dtype not in _STEP_DTYPES or not buf.flags.c_contiguous \
-            or not buf.flags.writeable:
+    frame = lean_frame(t, buf, "exchange_reduce", "recursive_doubling", op, check, seq, timeout)
+    if frame is None:
         return False
-    flat = buf.reshape(-1)
-    if flat.nbytes > t.stray_limit:
-        t.stray_limit = flat.nbytes  # as the guard does: frames of this call may arrive as strays
-    desc = descriptor("allreduce", "recursive_doubling", op, flat.dtype, flat.size, seq)
-    tag0 = tags.descriptor_tag(desc + (check,), tags.PLAIN)
+    flat, desc, tag0, limit, started = frame
+    step, n = t.exchange_reduce, t.size  # type: ignore[attr-defined]
     tmp = scratch(ws, "rd", flat.size, flat.dtype)
     rounds, me = n.bit_length() - 1, t.rank
-    limit = t.timeout if timeout is None else timeout
-    started = time.monotonic()
     coll: Coll | None = None
     found: list[tuple[int, float]] = []  # this rank's input, not finite beyond the first round's first piece
     k0 = 0
