@@ -825,7 +825,7 @@ def exchange_plan(const int[::1] fds, int wake, cnp.ndarray flat, cnp.ndarray tm
     first round (an index of ``flat[a:b]`` when ``in_acc``, else of ``flat[c:d]``). ``stage`` as ``exchange``'s.
     """
     cdef XS s
-    cdef Py_ssize_t k = 0, rounds = fds.shape[0], size, most = 0, i
+    cdef Py_ssize_t k = 0, rounds = fds.shape[0], size, most = 0, i, a, b, c, d
     cdef object bad0 = None
     cdef uint8_t* base
     cdef uint8_t* stg = NULL
@@ -841,7 +841,7 @@ def exchange_plan(const int[::1] fds, int wake, cnp.ndarray flat, cnp.ndarray tm
     for i in range(rounds):
         a, b, c, d = where[4 * i], where[4 * i + 1], where[4 * i + 2], where[4 * i + 3]
         if not (0 <= a <= b <= size and 0 <= c <= d <= size):
-            raise ValueError(f"exchange_plan's round {i} is out of the buffer: {a, b, c, d}, size {size}")
+            raise ValueError(f"exchange_plan's round {i} is out of the buffer: {(a, b, c, d)}, size {size}")
         if not (a == c and b == d) and b > a and d > c and a < d and c < b:
             raise ValueError(f"exchange_plan's round {i} sends part of what it receives into")
         if not flags[i] & PLAN_COPY_ and b - a > most:

@@ -44,7 +44,7 @@ COPY, DIVIDE = 1, 2
 class _Links:
     """The links of a sequence of rounds (their peers checked once, kept on the transport per sequence)."""
 
-    __slots__ = ("links", "uniq", "rounds_of", "off", "fds", "sseqs", "rseqs")
+    __slots__ = ("links", "uniq", "rounds_of", "off", "fds", "sseqs", "rseqs", "secure", "ends")
 
     def __init__(self, t: Any, peers: tuple[int, ...]) -> None:
         self.links: list[Any] = []
@@ -65,16 +65,24 @@ class _Links:
         n = len(peers)
         self.fds = array.array("i", [link.fd for link in self.links])
         self.sseqs, self.rseqs = array.array("Q", [0] * n), array.array("Q", [0] * n)
+        self.secure = any(link.secure is not None for link in self.uniq)  # (a link's framing is fixed)
+        # per distinct link: (link, its first round, its last, how many)
+        self.ends = tuple((link, r[0], r[-1], len(r)) for link, r in zip(self.uniq, self.rounds_of, strict=True))
 
     def release(self, t: Any, upto: int, stopped: bool) -> None:
         """After the call: rounds before ``upto`` moved both frames, round ``upto`` was ``stopped`` (``_adopt``
         takes it over; the transport stays driven until it does) or not started, the rest not started."""
         with t._mu:
-            for link, rounds in zip(self.uniq, self.rounds_of, strict=True):
-                done = [k for k in rounds if k < upto]
-                if done:
-                    link.recv_seq = self.rseqs[done[-1]] + 1
-                link.send_seq = self.sseqs[rounds[0]] + len(done) + (1 if stopped and upto in rounds else 0)
+            if upto == len(self.links):  # every round done: the seqs after each link's last round
+                for link, first, last, count in self.ends:
+                    link.recv_seq = self.rseqs[last] + 1
+                    link.send_seq = self.sseqs[first] + count
+            else:
+                for link, rounds in zip(self.uniq, self.rounds_of, strict=True):
+                    done = [k for k in rounds if k < upto]
+                    if done:
+                        link.recv_seq = self.rseqs[done[-1]] + 1
+                    link.send_seq = self.sseqs[rounds[0]] + len(done) + (1 if stopped and upto in rounds else 0)
             if stopped:
                 t._stepping = self.links[upto]
             else:
@@ -106,10 +114,10 @@ def exchange_plan(t: Any, io: ModuleType, peers: tuple[int, ...], flat: np.ndarr
     ls = t.__dict__.setdefault("_plans", {}).get(peers)
     if ls is None:
         ls = t._plans[peers] = _Links(t, peers)
-    if any(link.secure is not None for link in ls.uniq):
+    if ls.secure:
         return 0
-    for tag in tags:
-        if not 0 <= tag <= fr.MAX_TAG:
+    if min(tags) < 0 or max(tags) > fr.MAX_TAG:
+        for tag in tags:
             fr.check_tag(tag)
     links, off, sseqs, rseqs = ls.links, ls.off, ls.sseqs, ls.rseqs
     with t._mu:
@@ -121,8 +129,8 @@ def exchange_plan(t: Any, io: ModuleType, peers: tuple[int, ...], flat: np.ndarr
         for k in range(n):
             link = links[k]
             sseqs[k], rseqs[k] = link.send_seq + off[k], link.recv_seq + off[k]
-        for link, rounds in zip(ls.uniq, ls.rounds_of, strict=True):
-            link.send_seq += len(rounds)
+        for link, _, _, count in ls.ends:
+            link.send_seq += count
         t._driving, t._stepping = True, tuple(ls.uniq)
     limit = t._timeout(timeout)
     started = time.monotonic()
@@ -157,7 +165,7 @@ def exchange_plan(t: Any, io: ModuleType, peers: tuple[int, ...], flat: np.ndarr
 def exchange_rounds(t: Any, io: ModuleType, peers: tuple[int, ...], acc: np.ndarray, tmp: np.ndarray, tag: int,
                     timeout: float | None, divisor: float, check: bool, found: list[tuple[int, float]],
                     at: list[int]) -> int:
-    """The rounds of a recursive doubling: ``exchange_plan`` with every round sending all of ``acc`` to
+    """The rounds of a recursive doubling: ``exchange_plan`` with every round sending all of ``acc`` (1-D) to
     ``peers[k]`` and adding the peer's frame into it, the last round's sum divided by ``divisor``."""
     n = len(peers)
     if n < 2:
@@ -171,5 +179,4 @@ def exchange_rounds(t: Any, io: ModuleType, peers: tuple[int, ...], acc: np.ndar
     tags, where, flags = got
     for k in range(n):
         tags[k] = tag
-    return exchange_plan(t, io, peers, acc.reshape(-1), tmp.reshape(-1), tags, where, flags, timeout, divisor, check,
-                         found, at)
+    return exchange_plan(t, io, peers, acc, tmp, tags, where, flags, timeout, divisor, check, found, at)
