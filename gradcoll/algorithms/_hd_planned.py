@@ -21,6 +21,7 @@ from typing import Any
 import numpy as np
 
 from ..transport.base import Transport
+from ..transport.plan import COPY, DIVIDE, make, set_tags
 from . import tags
 from ._common import Coll, Options, Workspace, chunk_bounds, scratch
 from ._guard import ERRORS, fail, lean_frame
@@ -28,8 +29,6 @@ from ._verdict import NONFINITE
 
 __all__ = ["planned", "plan_arrays", "hd_schedule"]
 
-#: ``Transport.exchange_plan``'s round flags (``gradcoll.transport.tcp_rounds``): copy, divide.
-COPY, DIVIDE = 1, 2
 NAME = "halving-doubling allreduce"
 
 
@@ -53,22 +52,15 @@ def hd_schedule(v: int, p: int) -> list[tuple[int, int, int, int, int]]:
 
 
 def plan_arrays(plan: list[tuple[int, int, int, int, int]], bounds: list[int],
-                mean: bool) -> tuple[tuple[int, ...], array.array[int], array.array[int]]:
-    """``exchange_plan``'s peers, bounds and flags for ``plan`` (``hd_schedule``'s, a power-of-two group): the
-    reduce-scatter rounds (send ``[c, d)``, add into ``[a, b)``; the last divides a mean), then the allgather's
-    in reverse (send what the round kept, copy in what it sent)."""
-    peers: list[int] = []
-    where: list[int] = []
-    flags: list[int] = []
-    for k, (pv, klo, khi, slo, shi) in enumerate(plan):
-        peers.append(pv)
-        where += (bounds[klo], bounds[khi], bounds[slo], bounds[shi])
-        flags.append(DIVIDE if mean and k == len(plan) - 1 else 0)
-    for pv, klo, khi, slo, shi in reversed(plan):
-        peers.append(pv)
-        where += (bounds[slo], bounds[shi], bounds[klo], bounds[khi])
-        flags.append(COPY)
-    return tuple(peers), array.array("q", where), array.array("i", flags)
+                mean: bool) -> tuple[tuple[int, ...], array.array[int]]:
+    """``exchange_plan``'s peers and plan (``gradcoll.transport.plan``, the tags left to each call) for ``plan``
+    (``hd_schedule``'s, a power-of-two group): the reduce-scatter rounds (send ``[c, d)``, add into ``[a, b)``;
+    the last divides a mean), then the allgather's in reverse (send what the round kept, copy in what it
+    sent)."""
+    rounds = [(0, bounds[klo], bounds[khi], bounds[slo], bounds[shi], DIVIDE if mean and k == len(plan) - 1 else 0)
+              for k, (_, klo, khi, slo, shi) in enumerate(plan)]
+    rounds += [(0, bounds[slo], bounds[shi], bounds[klo], bounds[khi], COPY) for _, klo, khi, slo, shi in reversed(plan)]
+    return tuple(p[0] for p in plan) + tuple(p[0] for p in reversed(plan)), make(rounds)
 
 
 def planned(t: Transport, buf: np.ndarray, op: str, check: bool, seq: int, timeout: float | None,
@@ -86,7 +78,7 @@ def planned(t: Transport, buf: np.ndarray, op: str, check: bool, seq: int, timeo
     if got is None:
         bounds = chunk_bounds(flat.size, n)
         got = cache[key] = (bounds, *plan_arrays(hd_schedule(t.rank, n), bounds, op == "mean"))
-    bounds, peers, where, flags = got
+    bounds, peers, spec = got
     rounds = len(peers) // 2
     half = bounds[n // 2]
     tmp = scratch(ws, "hd", max(flat.size - half, half, 1), flat.dtype)
@@ -94,8 +86,8 @@ def planned(t: Transport, buf: np.ndarray, op: str, check: bool, seq: int, timeo
     at = [0]
     t0 = time.perf_counter()
     try:
-        done = int(run(peers, flat, tmp, array.array("I", [tag0 + tags.HD_RS] * rounds + [tag0 + tags.HD_AG] * rounds),
-                       where, flags, max(0.0, started + limit - time.monotonic()), n, check, found, at))
+        set_tags(spec, [tag0 + tags.HD_RS] * rounds + [tag0 + tags.HD_AG] * rounds)
+        done = int(run(peers, flat, tmp, spec, max(0.0, started + limit - time.monotonic()), n, check, found, at))
     except ERRORS as exc:
         fail(_coll(t, flat, seq, limit, started, desc, tag0, rounds, at[0], found), exc)
     finally:

@@ -41,13 +41,13 @@ are one such call where the transport has that (``Transport.exchange_plan``).
 
 from __future__ import annotations
 
-import array
 import time
 from collections.abc import Callable
 
 import numpy as np
 
 from ..transport.base import Transport
+from ..transport.plan import set_tags
 from . import tags
 from ._common import Coll, Options, Workspace, chunk_bounds, combiner, plant, scratch
 from ._guard import LEAN_DTYPES, guarded_allreduce
@@ -186,13 +186,13 @@ def _all_rounds(coll: Coll, opts: Options, divisor: int, flat: np.ndarray, tmp: 
     if run is None:
         return 0
     rounds = len(plan)
-    peers, where, flags = plan_arrays(plan, bounds, opts.op == "mean")
+    peers, spec = plan_arrays(plan, bounds, opts.op == "mean")
+    set_tags(spec, [rs] * rounds + [ag] * rounds)
     found: list[tuple[int, float]] = []
     at = [0]
     t0 = time.perf_counter()
     try:
-        return int(run(peers, flat, tmp, array.array("I", [rs] * rounds + [ag] * rounds), where, flags,
-                       coll.deadline.remaining(), divisor, opts.check_finite, found, at))
+        return int(run(peers, flat, tmp, spec, coll.deadline.remaining(), divisor, opts.check_finite, found, at))
     except BaseException:
         coll.step = at[0] + 1  # the round that failed, for the error (no fold: the group is a power of two)
         raise

@@ -24,7 +24,7 @@ call with what it has moved, for the engine to carry on from.
 cimport numpy as cnp
 from libc.errno cimport EAGAIN, EINTR, errno
 from libc.math cimport NAN, frexp, isfinite
-from libc.stdint cimport uint8_t, uint32_t, uint64_t
+from libc.stdint cimport int64_t, uint8_t, uint32_t, uint64_t
 from libc.string cimport memcpy
 
 cnp.import_array()
@@ -787,17 +787,21 @@ def exchange(int fd, int wake, cnp.ndarray acc, cnp.ndarray tmp, uint32_t tag, u
     return _xresult(&s, <uint8_t*>cnp.PyArray_DATA(tmp))
 
 
-cdef inline void _xplan(XS* s, uint8_t* base, const Py_ssize_t[::1] where, const int[::1] flags, Py_ssize_t k,
-                        const int[::1] fds, const uint32_t[::1] tags, const uint64_t[::1] sseqs,
-                        const uint64_t[::1] rseqs, double divisor, uint8_t* stage, Py_ssize_t stsize) noexcept nogil:
+#: ``exchange_plan``'s fields of a round, in this order (``PLAN_FIELDS`` int64 per round).
+PLAN_FD, PLAN_TAG, PLAN_SSEQ, PLAN_RSEQ, PLAN_A, PLAN_B, PLAN_C, PLAN_D, PLAN_FLAGS = range(9)
+PLAN_FIELDS = 9
+
+
+cdef inline void _xplan(XS* s, uint8_t* base, const int64_t[::1] plan, Py_ssize_t k, double divisor,
+                        uint8_t* stage, Py_ssize_t stsize) noexcept nogil:
     """``s`` set up for round ``k`` of ``exchange_plan``."""
-    cdef Py_ssize_t a = where[4 * k], b = where[4 * k + 1], c = where[4 * k + 2], d = where[4 * k + 3]
-    s.a, s.m = base + a * s.item, b - a
+    cdef const int64_t* r = &plan[9 * k]
+    s.a, s.m = base + r[4] * s.item, r[5] - r[4]
     s.nbytes, s.total = s.m * s.item, HDR + s.m * s.item
-    s.sp, s.sm = base + c * s.item, d - c
+    s.sp, s.sm = base + r[6] * s.item, r[7] - r[6]
     s.stotal = HDR + s.sm * s.item
-    s.same, s.copy, s.tag = a == c and b == d, flags[k] & PLAN_COPY_, tags[k]
-    _xround(s, fds[k], sseqs[k], rseqs[k], divisor if flags[k] & PLAN_DIVIDE_ else 1.0)
+    s.same, s.copy, s.tag = r[4] == r[6] and r[5] == r[7], r[8] & PLAN_COPY_, <uint32_t>r[1]
+    _xround(s, <int>r[0], <uint64_t>r[2], <uint64_t>r[3], divisor if r[8] & PLAN_DIVIDE_ else 1.0)
     s.stg, s.stsize = NULL, 0
     if stage != NULL and s.stotal > HDR and _aliased(s.sp):
         s.stg, s.stsize = stage, stsize
@@ -807,44 +811,45 @@ cdef inline void _xplan(XS* s, uint8_t* base, const Py_ssize_t[::1] where, const
 PLAN_COPY, PLAN_DIVIDE = 1, 2
 
 
-def exchange_plan(const int[::1] fds, int wake, cnp.ndarray flat, cnp.ndarray tmp, const uint32_t[::1] tags,
-                  const uint64_t[::1] sseqs, const uint64_t[::1] rseqs, const Py_ssize_t[::1] where,
-                  const int[::1] flags, double spin, double timeout, double divisor, bint check_input, bint check,
-                  Py_ssize_t ahead, uint8_t[::1] ring, uint8_t[::1] stage=None):
+def exchange_plan(int wake, cnp.ndarray flat, cnp.ndarray tmp, const int64_t[::1] plan, double spin,
+                  double timeout, double divisor, bint check_input, bint check, Py_ssize_t ahead, uint8_t[::1] ring,
+                  uint8_t[::1] stage=None):
     """``exchange`` round after round in one call, on parts of one buffer (the rounds of a recursive doubling, or of
-    a halving-doubling's reduce-scatter and allgather): round ``k`` runs on the link ``fds[k]`` with tag ``tags[k]``,
-    sends frame ``sseqs[k]`` of ``flat[c:d]`` and receives frame ``rseqs[k]``, of ``b - a`` elements, into
-    ``flat[a:b]`` (``where[4k:4k+4]`` is ``a, b, c, d``): added into it (through the ring, ``tmp`` as ``exchange``'s),
-    or copied (``flags[k] & PLAN_COPY``). The sum of a round with ``PLAN_DIVIDE`` is divided by ``divisor``.
-    ``check_input`` checks the first round's arrays as ``exchange`` does. A round whose result is not finite
-    marks the first element it received into (NaN), as ``exchange`` does, and the rounds go on. ``timeout`` is
-    for all the rounds together.
+    a halving-doubling's reduce-scatter and allgather). ``plan`` holds ``PLAN_FIELDS`` integers per round: round
+    ``k`` runs on the link ``fd`` with ``tag``, sends frame ``sseq`` of ``flat[c:d]`` and receives frame
+    ``rseq``, of ``b - a`` elements, into ``flat[a:b]``: added into it (through the ring, ``tmp`` as
+    ``exchange``'s), or copied (``flags & PLAN_COPY``). The sum of a round with ``PLAN_DIVIDE`` is divided by
+    ``divisor``. ``check_input`` checks the first round's arrays as ``exchange`` does. A round whose result is
+    not finite marks the first element it received into (NaN), as ``exchange`` does, and the rounds go on.
+    ``timeout`` is for all the rounds together.
 
     Returns ``(k, outcome, ...)``: the index of the last round run and ``exchange``'s answer for it (``STOPPED``:
     the rounds from ``k`` on are the caller's; ``BAD_INPUT``: nothing was sent), its ``bad_input`` that of the
     first round (an index of ``flat[a:b]`` when ``in_acc``, else of ``flat[c:d]``). ``stage`` as ``exchange``'s.
     """
     cdef XS s
-    cdef Py_ssize_t k = 0, rounds = fds.shape[0], size, most = 0, i, a, b, c, d
+    cdef Py_ssize_t k = 0, rounds = plan.shape[0] // 9, size, most = 0, i
+    cdef int64_t a, b, c, d
     cdef object bad0 = None
     cdef uint8_t* base
     cdef uint8_t* stg = NULL
     cdef Py_ssize_t stsize = 0
-    if rounds < 1 or sseqs.shape[0] != rounds or rseqs.shape[0] != rounds or tags.shape[0] != rounds \
-            or flags.shape[0] != rounds or where.shape[0] != 4 * rounds:
-        raise ValueError("exchange_plan takes one fd, tag, send seq, receive seq, flag and four bounds per round")
+    if rounds < 1 or plan.shape[0] != 9 * rounds:
+        raise ValueError("exchange_plan takes PLAN_FIELDS integers per round")
     _xarrays(&s, flat, flat, None, False, ring, ahead)
     if cnp.PyArray_TYPE(tmp) != cnp.PyArray_TYPE(flat) or not cnp.PyArray_IS_C_CONTIGUOUS(tmp) \
             or not cnp.PyArray_ISWRITEABLE(tmp):
         raise ValueError("exchange_plan takes a writeable C-contiguous tmp of the buffer's dtype")
     size = s.m
     for i in range(rounds):
-        a, b, c, d = where[4 * i], where[4 * i + 1], where[4 * i + 2], where[4 * i + 3]
+        a, b, c, d = plan[9 * i + 4], plan[9 * i + 5], plan[9 * i + 6], plan[9 * i + 7]
         if not (0 <= a <= b <= size and 0 <= c <= d <= size):
             raise ValueError(f"exchange_plan's round {i} is out of the buffer: {(a, b, c, d)}, size {size}")
         if not (a == c and b == d) and b > a and d > c and a < d and c < b:
             raise ValueError(f"exchange_plan's round {i} sends part of what it receives into")
-        if not flags[i] & PLAN_COPY_ and b - a > most:
+        if not (0 <= plan[9 * i + 1] <= 0xFFFFFFFF):
+            raise ValueError(f"exchange_plan's round {i} has tag {plan[9 * i + 1]}")
+        if not plan[9 * i + 8] & PLAN_COPY_ and b - a > most:
             most = b - a
     if cnp.PyArray_SIZE(tmp) < most:
         raise ValueError("exchange_plan's tmp is smaller than a round's receive")
@@ -852,7 +857,7 @@ def exchange_plan(const int[::1] fds, int wake, cnp.ndarray flat, cnp.ndarray tm
     if stage is not None and stage.shape[0] >= 4096:
         stg, stsize = &stage[0], stage.shape[0]
     s.wake, s.check, s.spin, s.timeout = wake, check, spin, timeout
-    _xplan(&s, base, where, flags, 0, fds, tags, sseqs, rseqs, divisor, stg, stsize)
+    _xplan(&s, base, plan, 0, divisor, stg, stsize)
     s.check_acc = check_input and not s.same
     if not _x_first_piece(&s, check_input):
         return (0, X_BAD_INPUT, 0, 0, 0, 0, False, None, 0, True, None)
@@ -866,7 +871,7 @@ def exchange_plan(const int[::1] fds, int wake, cnp.ndarray flat, cnp.ndarray tm
                 with gil:
                     bad0 = (s.bad_i, s.bad_v, bool(s.bad_in_acc))
             k += 1
-            _xplan(&s, base, where, flags, k, fds, tags, sseqs, rseqs, divisor, stg, stsize)
+            _xplan(&s, base, plan, k, divisor, stg, stsize)
             s.check_acc = False
             s.chk = s.sm  # (the input is checked in the first round only)
     out = _xresult(&s, <uint8_t*>cnp.PyArray_DATA(tmp))

@@ -32,19 +32,16 @@ import numpy as np
 
 from . import frame as fr
 from . import tcp_fast as fast
+from .plan import COPY, DIVIDE, FD, FIELDS, FLAGS, RSEQ, SSEQ, TAG, A, B, C, D, make
 from .tcp_fast import _adopt, _ring, _stage, staging
 
-__all__ = ["exchange_plan", "exchange_rounds", "COPY", "DIVIDE"]
-
-#: A round's flags (``_tcp_io.PLAN_COPY``, ``PLAN_DIVIDE``): receive into the buffer and reduce nothing (an
-#: allgather round); divide the round's sum by the call's divisor (the last reduce-scatter round of a mean).
-COPY, DIVIDE = 1, 2
+__all__ = ["exchange_plan", "exchange_rounds"]
 
 
 class _Links:
     """The links of a sequence of rounds (their peers checked once, kept on the transport per sequence)."""
 
-    __slots__ = ("links", "uniq", "rounds_of", "off", "fds", "sseqs", "rseqs", "secure", "ends")
+    __slots__ = ("links", "uniq", "rounds_of", "off", "secure", "ends")
 
     def __init__(self, t: Any, peers: tuple[int, ...]) -> None:
         self.links: list[Any] = []
@@ -62,27 +59,25 @@ class _Links:
             self.off.append(len(mine))
             mine.append(k)
             self.links.append(link)
-        n = len(peers)
-        self.fds = array.array("i", [link.fd for link in self.links])
-        self.sseqs, self.rseqs = array.array("Q", [0] * n), array.array("Q", [0] * n)
         self.secure = any(link.secure is not None for link in self.uniq)  # (a link's framing is fixed)
         # per distinct link: (link, its first round, its last, how many)
         self.ends = tuple((link, r[0], r[-1], len(r)) for link, r in zip(self.uniq, self.rounds_of, strict=True))
 
-    def release(self, t: Any, upto: int, stopped: bool) -> None:
+    def release(self, t: Any, spec: array.array[int], upto: int, stopped: bool) -> None:
         """After the call: rounds before ``upto`` moved both frames, round ``upto`` was ``stopped`` (``_adopt``
         takes it over; the transport stays driven until it does) or not started, the rest not started."""
         with t._mu:
             if upto == len(self.links):  # every round done: the seqs after each link's last round
                 for link, first, last, count in self.ends:
-                    link.recv_seq = self.rseqs[last] + 1
-                    link.send_seq = self.sseqs[first] + count
+                    link.recv_seq = spec[FIELDS * last + RSEQ] + 1
+                    link.send_seq = spec[FIELDS * first + SSEQ] + count
             else:
                 for link, rounds in zip(self.uniq, self.rounds_of, strict=True):
                     done = [k for k in rounds if k < upto]
                     if done:
-                        link.recv_seq = self.rseqs[done[-1]] + 1
-                    link.send_seq = self.sseqs[rounds[0]] + len(done) + (1 if stopped and upto in rounds else 0)
+                        link.recv_seq = spec[FIELDS * done[-1] + RSEQ] + 1
+                    link.send_seq = spec[FIELDS * rounds[0] + SSEQ] + len(done) + (1 if stopped and upto in rounds
+                                                                                else 0)
             if stopped:
                 t._stepping = self.links[upto]
             else:
@@ -95,12 +90,13 @@ class _Links:
 
 
 def exchange_plan(t: Any, io: ModuleType, peers: tuple[int, ...], flat: np.ndarray, tmp: np.ndarray,
-                  tags: array.array[int], where: array.array[int], flags: array.array[int], timeout: float | None,
-                  divisor: float, check: bool, found: list[tuple[int, float]], at: list[int]) -> int:
-    """The rounds of an allreduce on ``flat`` in one compiled call: round ``k`` with ``peers[k]``, tag
-    ``tags[k]``, sends ``flat[c:d]`` and adds the peer's frame into ``flat[a:b]`` (``where[4k:4k+4]``), or
-    copies it there (``flags[k] & COPY``); ``DIVIDE`` divides the round's sum by ``divisor``. ``check``: the
-    first round checks its arrays as ``exchange_reduce``'s ``check_input`` does, and every sum is checked.
+                  spec: array.array[int], timeout: float | None, divisor: float, check: bool,
+                  found: list[tuple[int, float]], at: list[int]) -> int:
+    """The rounds of an allreduce on ``flat`` in one compiled call: round ``k`` with ``peers[k]`` as ``spec``
+    (``gradcoll.transport.plan``: its tag, bounds and flags; this fills the link and the seqs) says: send
+    ``flat[c:d]`` and add the peer's frame into ``flat[a:b]``, or copy it there (``COPY``); ``DIVIDE`` divides
+    the round's sum by ``divisor``. ``check``: the first round checks its arrays as ``exchange_reduce``'s
+    ``check_input`` does, and every sum is checked.
 
     Returns how many rounds are done: all of them, or fewer where a round stopped early (the engine then
     finished that round, as ``exchange_reduce`` does, and the caller runs the others), or 0 with nothing
@@ -109,17 +105,18 @@ def exchange_plan(t: Any, io: ModuleType, peers: tuple[int, ...], flat: np.ndarr
     ``exchange_reduce``'s; ``at[0]`` is the round the engine is finishing when that raises.
     """
     n = len(peers)
-    if n < 1 or flat.nbytes > fast.SMALL_BYTES:
+    if n < 1 or flat.nbytes > fast.SMALL_BYTES or len(spec) != FIELDS * n:
         return 0
     ls = t.__dict__.setdefault("_plans", {}).get(peers)
     if ls is None:
         ls = t._plans[peers] = _Links(t, peers)
     if ls.secure:
         return 0
+    tags = spec[TAG::FIELDS]
     if min(tags) < 0 or max(tags) > fr.MAX_TAG:
         for tag in tags:
             fr.check_tag(tag)
-    links, off, sseqs, rseqs = ls.links, ls.off, ls.sseqs, ls.rseqs
+    links, off = ls.links, ls.off
     with t._mu:
         if t._driving or t._queued() or t._woken is not None or t.closed:
             return 0
@@ -127,8 +124,8 @@ def exchange_plan(t: Any, io: ModuleType, peers: tuple[int, ...], flat: np.ndarr
             if link.stash or link.failure is not None:
                 return 0
         for k in range(n):
-            link = links[k]
-            sseqs[k], rseqs[k] = link.send_seq + off[k], link.recv_seq + off[k]
+            link, i = links[k], FIELDS * k
+            spec[i + FD], spec[i + SSEQ], spec[i + RSEQ] = link.fd, link.send_seq + off[k], link.recv_seq + off[k]
         for link, _, _, count in ls.ends:
             link.send_seq += count
         t._driving, t._stepping = True, tuple(ls.uniq)
@@ -136,29 +133,29 @@ def exchange_plan(t: Any, io: ModuleType, peers: tuple[int, ...], flat: np.ndarr
     started = time.monotonic()
     try:
         k, out, sent, got, serr, rerr, eof, hdr, red, fin, bad = io.exchange_plan(
-            ls.fds, t._wake_fd, flat, tmp, tags, sseqs, rseqs, where, flags, max(t._spin, fast.STEP_SPIN_S),
-            -1.0 if limit is None else limit, divisor, check, check, fast.PIECE_BYTES, _ring(t),
-            _stage(t) if flat.nbytes <= fast.STAGE_MAX and staging(io) else None)
+            t._wake_fd, flat, tmp, spec, max(t._spin, fast.STEP_SPIN_S), -1.0 if limit is None else limit, divisor,
+            check, check, fast.PIECE_BYTES, _ring(t), _stage(t) if flat.nbytes <= fast.STAGE_MAX and staging(io) else None)
     except BaseException:  # refused its arrays: nothing moved
-        ls.release(t, 0, False)
+        ls.release(t, spec, 0, False)
         raise
     if out == io.BAD_INPUT:
-        ls.release(t, 0, False)
+        ls.release(t, spec, 0, False)
         return 0
     if bad is not None:
-        found.append((where[0 if bad[2] else 2] + bad[0], bad[1]))
+        found.append((spec[A if bad[2] else C] + bad[0], bad[1]))
     if out != io.STOPPED:
-        ls.release(t, n, False)
+        ls.release(t, spec, n, False)
         return n
     at[0] = k
-    ls.release(t, k, True)
-    a, b, c, d = where[4 * k: 4 * k + 4]
-    copy = bool(flags[k] & COPY)
-    ops = _adopt(t, links[k], flat[c:d], flat[a:b] if copy else tmp[: b - a], tags[k], sseqs[k], rseqs[k], sent, got,
-                 serr, rerr, eof, hdr)
+    ls.release(t, spec, k, True)
+    i = FIELDS * k
+    a, b, c, d, flags = spec[i + A], spec[i + B], spec[i + C], spec[i + D], spec[i + FLAGS]
+    copy = bool(flags & COPY)
+    ops = _adopt(t, links[k], flat[c:d], flat[a:b] if copy else tmp[: b - a], spec[i + TAG], spec[i + SSEQ],
+                 spec[i + RSEQ], sent, got, serr, rerr, eof, hdr)
     t._wait(ops, None if limit is None else max(0.0, limit - (time.monotonic() - started)))
     if not copy:  # (not finite: marked, as the round marks it)
-        io.reduce_rest(flat[a:b], tmp[: b - a], red, divisor if flags[k] & DIVIDE else 1.0, fin, check)
+        io.reduce_rest(flat[a:b], tmp[: b - a], red, divisor if flags & DIVIDE else 1.0, fin, check)
     return int(k) + 1
 
 
@@ -171,12 +168,10 @@ def exchange_rounds(t: Any, io: ModuleType, peers: tuple[int, ...], acc: np.ndar
     if n < 2:
         return 0
     key = (peers, acc.size)
-    plans = t.__dict__.setdefault("_rd_plans", {})
-    got = plans.get(key)
-    if got is None:
-        got = plans[key] = (array.array("I", [0] * n), array.array("q", [0, acc.size] * 2 * n),
-                            array.array("i", [0] * (n - 1) + [DIVIDE]))
-    tags, where, flags = got
+    specs = t.__dict__.setdefault("_rd_plans", {})
+    spec = specs.get(key)
+    if spec is None:
+        spec = specs[key] = make((0, 0, acc.size, 0, acc.size, DIVIDE if k == n - 1 else 0) for k in range(n))
     for k in range(n):
-        tags[k] = tag
-    return exchange_plan(t, io, peers, acc, tmp, tags, where, flags, timeout, divisor, check, found, at)
+        spec[FIELDS * k + TAG] = tag
+    return exchange_plan(t, io, peers, acc, tmp, spec, timeout, divisor, check, found, at)

@@ -9,7 +9,6 @@ engine. Group-level results and faults on 4 ranks are in test_tcp_fast.py.
 
 from __future__ import annotations
 
-import array
 import socket
 import threading
 from typing import Any
@@ -20,7 +19,7 @@ import pytest
 from gradcoll.algorithms import tags
 from gradcoll.errors import CollectiveTimeout
 from gradcoll.transport import frame as fr
-from gradcoll.transport import tcp, tcp_fast, tcp_rounds
+from gradcoll.transport import plan, tcp, tcp_fast
 from gradcoll.transport.frame import FrameMismatch
 from tests.transport import test_tcp_fast as step_tests
 from tests.transport.test_tcp import _read_exactly as _read
@@ -182,10 +181,9 @@ one = step_tests.raw  # rank 0 of 2 with a raw peer
 def _plan(t: Any, flat: np.ndarray, m: int, divide: bool = True, at: list[int] | None = None,
           found: list[Any] | None = None, check: bool = True) -> int:
     """Rank 0's halving-doubling on 2 ranks: keep [0, m), send [m, 2m), then send the sum and receive the rest."""
-    where = array.array("q", [0, m, m, 2 * m, m, 2 * m, 0, m])
-    flags = array.array("i", [tcp_rounds.DIVIDE if divide else 0, tcp_rounds.COPY])
-    return int(t.exchange_plan((1, 1), flat, np.empty(m, flat.dtype), array.array("I", [HD_RS, HD_AG]), where, flags,
-                               5.0, 2.0, check, [] if found is None else found, [0] if at is None else at))
+    spec = plan.make([(HD_RS, 0, m, m, 2 * m, plan.DIVIDE if divide else 0), (HD_AG, m, 2 * m, 0, m, plan.COPY)])
+    return int(t.exchange_plan((1, 1), flat, np.empty(m, flat.dtype), spec, 5.0, 2.0, check,
+                               [] if found is None else found, [0] if at is None else at))
 
 
 def test_a_plan_sends_one_part_adds_into_another_then_gathers_on_one_link(one) -> None:
@@ -251,7 +249,7 @@ def test_a_plan_reports_a_bad_element_of_the_part_it_adds_into_at_its_index_in_t
 def test_a_plan_whose_round_sends_part_of_what_it_receives_into_is_refused(one, where) -> None:
     t, peer = one
     with pytest.raises(ValueError, match="sends part of what it receives into|out of the buffer"):
-        t.exchange_plan((1,), np.zeros(8, np.float32), np.zeros(8, np.float32), array.array("I", [HD_RS]),
-                        array.array("q", where), array.array("i", [0]), 5.0, 1.0, False, [], [0])
+        t.exchange_plan((1,), np.zeros(8, np.float32), np.zeros(8, np.float32), plan.make([(HD_RS, *where, 0)]), 5.0,
+                        1.0, False, [], [0])
     t.send(1, b"abc", tag=7)  # nothing was sent and the seqs are where they were
     assert _read(peer, 27) == fr.pack_header(0, 7, 3) + b"abc"
