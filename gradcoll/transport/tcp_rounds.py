@@ -11,7 +11,7 @@ an allgather round), as the step does, and the next round starts as soon as
 it is done. A link may serve several rounds (a halving-doubling's
 reduce-scatter and allgather meet the same partners): its rounds take
 consecutive seqs. On 4 ranks at 4 KiB this took the calls' Python from 14.5
-to 9.5 us of CPU time per call (docs/performance.md, "Rounds in one call").
+to 12.3 us of CPU time per call (docs/performance.md, "Rounds in one call").
 
 It takes what the step takes (the sends staged where the step stages them),
 and declines before a byte moves where the step would decline on any of the
