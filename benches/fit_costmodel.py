@@ -66,7 +66,7 @@ HERE = os.path.dirname(os.path.abspath(__file__))
 STORED = os.path.join(HERE, "results", "costmodel")
 #: Parameters fitted for loopback transports (no link: beta stays 0).
 LOOPBACK = ("alpha_s", "switch_s", "gamma_s_per_byte", "delta_s_per_byte", "mem_s_per_byte", "l2_s_per_byte", "wait_share",
-            "round_s")
+            "round_s", "call_s")
 CACHES = [float(1 << k) for k in range(19, 27)]  # 512 KiB .. 64 MiB
 #: The fields of a ``gradcoll bench`` row fitted: the median iteration, else the mean one (each averaged over the ranks).
 MEDIAN, MEAN = "iter_median_us_avg_over_ranks", "iter_mean_us_avg_over_ranks"

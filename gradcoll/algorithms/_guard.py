@@ -130,13 +130,15 @@ LEAN_DTYPES = (np.dtype(np.float32), np.dtype(np.float64))
 
 
 def lean_frame(t: Transport, buf: np.ndarray, attr: str, algo: str, op: str, check: bool, seq: int,
-               timeout: float | None) -> tuple[np.ndarray, tuple[int, ...], int, float, float] | None:
+               timeout: float | None, any_size: bool = False) -> tuple[np.ndarray, tuple[int, ...], int, float,
+                                                                       float] | None:
     """The frame of an allreduce that runs outside the guard on ``t``'s compiled call ``attr`` (recursive
-    doubling's rounds, halving-doubling's plan): ``(flat, descriptor, tag0, limit, started)``, the guard's
-    descriptor tags so that a rank on the guard's path meets the same frames; None where it cannot (no such
-    call, not a power of two, a dtype or a layout the compiled call does not take)."""
+    doubling's rounds, halving-doubling's and the ring's plans): ``(flat, descriptor, tag0, limit, started)``,
+    the guard's descriptor tags so that a rank on the guard's path meets the same frames; None where it cannot
+    (no such call, not a power of two unless ``any_size``, a dtype or a layout the compiled call does not
+    take)."""
     n = t.size
-    if getattr(t, attr, None) is None or n < 2 or n & (n - 1) or buf.dtype not in LEAN_DTYPES \
+    if getattr(t, attr, None) is None or n < 2 or (n & (n - 1) and not any_size) or buf.dtype not in LEAN_DTYPES \
             or not buf.flags.c_contiguous or not buf.flags.writeable:
         return None
     flat = buf.reshape(-1)

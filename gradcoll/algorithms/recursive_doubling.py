@@ -48,10 +48,12 @@ from collections.abc import Callable
 import numpy as np
 
 from ..transport.base import Transport
+from ..transport.plan import DIVIDE, make
 from . import tags
 from ._common import TRANSLATED, Coll, Options, Workspace, combiner, scratch
 from ._guard import ERRORS, fail, guarded_allreduce, lean_frame
-from ._verdict import NONFINITE
+from ._planned import Plan
+from ._planned import _coll as planned_coll
 
 __all__ = ["recursive_doubling_allreduce", "butterfly", "rd_pass"]
 
@@ -105,8 +107,9 @@ def butterfly(coll: Coll, mine: np.ndarray, phases: tuple[int, int, int], fold_i
         coll.send(me - 1, mine, unfold)
 
 
-def rd_pass(coll: Coll, flat: np.ndarray, opts: Options, divisor: int | None = None) -> None:
-    """The allreduce's schedule; ``mean`` divides by ``divisor`` (default the size; see ``ring_pass``)."""
+def rd_pass(coll: Coll, flat: np.ndarray, opts: Options, divisor: int | None = None, done: int = 0) -> None:
+    """The allreduce's schedule; ``mean`` divides by ``divisor`` (default the size; see ``ring_pass``). ``done``:
+    the rounds of a power-of-two group already done (by one compiled call); the schedule goes on after them."""
     tmp = scratch(opts.workspace, "rd", flat.size, flat.dtype)
     combine = combiner(opts, coll.size if divisor is None else divisor)  # an overflow marks element 0, carried on
     last = (1 << (coll.size.bit_length() - 1)).bit_length() - 2
@@ -117,11 +120,23 @@ def rd_pass(coll: Coll, flat: np.ndarray, opts: Options, divisor: int | None = N
             combine(flat, tmp, False)
 
     def exchange(k: int, v: int, peer: int, tag: int) -> None:
+        if k < done:
+            return
         coll.sendrecv(peer, flat, tmp, tag)
         if flat.size:
             combine(flat, tmp, k == last)
 
     butterfly(coll, flat, (tags.RD_FOLD, tags.RD_ROUND, tags.RD_UNFOLD), fold_in, exchange)
+
+
+def rd_plan(rank: int, n: int, count: int, mean: bool) -> Plan:
+    """The recursive doubling of rank ``rank`` of a power-of-two ``n`` on ``count`` elements as one plan
+    (``gradcoll.transport.plan``): round ``k`` sends the whole buffer to ``rank XOR 2^k`` and adds the partner's
+    into it (the last divides a mean)."""
+    rounds = n.bit_length() - 1
+    return Plan([0, count], tuple(rank ^ (1 << k) for k in range(rounds)), None,
+                make((0, 0, count, 0, count, DIVIDE if mean and k == rounds - 1 else 0) for k in range(rounds)),
+                (tags.RD_ROUND,) * rounds, count)
 
 
 _NAME = "recursive-doubling allreduce"
@@ -200,11 +215,4 @@ def _coll(t: Transport, flat: np.ndarray, seq: int, limit: float, started: float
           tag0: int, rounds: int, k: int, found: list[tuple[int, float]]) -> Coll:
     """The ``Coll`` the guard would have run this call with, at round ``k``: for the error path and the general
     rounds. ``found``: this rank's non-finite input element, as the guard's local check reports it."""
-    coll = Coll(t, _NAME, seq, flat.nbytes, limit)
-    if found:
-        coll.status = (NONFINITE, int(found[0][0]), float(found[0][1]))
-    coll.started, coll.desc, coll.tag0, coll.pending = started, desc, tag0, {}
-    coll.begin(rounds)
-    coll.deadline.at = started + limit  # the call's deadline, not a fresh one
-    coll.step = k + 1
-    return coll
+    return planned_coll(t, _NAME, flat, seq, limit, started, desc, tag0, rounds, k, found)

@@ -26,57 +26,120 @@ from typing import Any
 import numpy as np
 
 from ..transport.base import Request, Transport
+from ..transport.plan import CHECK, COPY, DIVIDE, make
 from . import tags
-from ._common import Coll, Options, Workspace, chunk_bounds, combiner, scratch, segment_bounds
-from ._guard import guarded_allreduce
+from ._common import Coll, Options, Workspace, chunk_bounds, combiner, scratch
+from ._guard import LEAN_DTYPES, guarded_allreduce
+from ._handshake import local_status
+from ._planned import Plan, Schedule, run_plan
 
-__all__ = ["ring_allreduce", "ring_pass", "SEGMENT_BYTES"]
+__all__ = ["ring_allreduce", "ring_pass", "ring_plan", "SEGMENT_BYTES"]
 
 #: Default pipeline segment (bytes); 1 MiB measured best over tcp for 1-4 MiB buffers on 4 ranks.
 SEGMENT_BYTES = 1 << 20
+NAME = "ring allreduce"
 
 
 def ring_allreduce(transport: Transport, buf: np.ndarray, *, op: str = "mean", check_finite: bool = True, seq: int = 0,
                    timeout: float | None = None, segment_bytes: int = SEGMENT_BYTES, workspace: Workspace | None = None,
                    backend: str | None = None) -> np.ndarray:
-    """Allreduce ``buf`` in place over every rank with the ring algorithm; returns ``buf``."""
+    """Allreduce ``buf`` in place over every rank with the ring algorithm; returns ``buf``.
+
+    Where the transport runs a plan of rounds in one compiled call (tcp's ``exchange_plan``), a float32 or
+    float64 mean or sum with the default segments runs every step that way (``ring_plan``: a round per segment
+    of a step), putting on the wire the frames the general path does, so that ranks on either path meet.
+    """
+    if segment_bytes == SEGMENT_BYTES and backend in (None, "cython") and type(buf) is np.ndarray \
+            and op in ("mean", "sum") and buf.dtype in LEAN_DTYPES \
+            and run_plan(transport, buf, op, check_finite, seq, timeout, workspace, _rest, SCHEDULE):
+        return buf
 
     def body(coll: Coll, flat: np.ndarray, opts: Options) -> None:
         ring_pass(coll, flat, opts, allgather=True, shift=0, segment_bytes=segment_bytes)
 
     return guarded_allreduce(transport, buf, Options(op, check_finite, seq, timeout, workspace, backend),
-                             name="ring allreduce", algo="ring", body=body)
+                             name=NAME, algo="ring", body=body)
+
+
+def segments(count: int, n: int, seg: int) -> list[list[tuple[int, int]]]:
+    """Each of the ``n`` chunks of ``count`` elements (``chunk_bounds``) as ``k`` near-equal segments of at most
+    ``seg`` elements, ``k`` the same for every chunk (so that a step's send and receive pair up segment by
+    segment; empty segments where a chunk is shorter than ``k``)."""
+    bounds = chunk_bounds(count, n)
+    k = max(1, -(-(bounds[1] - bounds[0]) // max(1, seg)))  # chunk 0 is the longest
+    return [[(bounds[c] + a, bounds[c] + b) for a, b in zip(p, p[1:], strict=False)]
+            for c in range(n) for p in [chunk_bounds(bounds[c + 1] - bounds[c], k)]]
+
+
+def ring_plan(rank: int, n: int, count: int, mean: bool, seg_bytes: int = SEGMENT_BYTES, itemsize: int = 4) -> Plan:
+    """The ring allreduce of rank ``rank`` of ``n`` on ``count`` elements as one plan (``gradcoll.transport.plan``)
+    of ``2 (n - 1)`` steps of ``k`` rounds, the frames ``ring_pass`` sends: round ``s`` of step ``g`` sends
+    segment ``s`` of chunk ``rank - g`` to the right and receives segment ``s`` of chunk ``rank - g - 1`` from the
+    left, added into it in the reduce-scatter (the last such step divides a mean; each checks the segment it
+    adds into, this rank's input so far), copied into it in the allgather. ``bounds``: every segment's start."""
+    segs = segments(count, n, max(1, seg_bytes // itemsize))
+    right, left = (rank + 1) % n, (rank - 1) % n
+    rounds = [(0, *segs[(rank - g - 1) % n][i], *segs[(rank - g) % n][i],
+               (CHECK | (DIVIDE if mean and g == n - 2 else 0)) if g < n - 1 else COPY)
+              for g in range(2 * (n - 1)) for i in range(len(segs[0]))]
+    starts = sorted({a for c in segs for a, b in c if b > a}) + [count]
+    return Plan(starts, (right,) * len(rounds), (left,) * len(rounds), make(rounds), (tags.RING,) * len(rounds),
+                max(b - a for c in segs for a, b in c))
+
+
+def _plan(rank: int, n: int, count: int, mean: bool, itemsize: int) -> Plan:
+    return ring_plan(rank, n, count, mean, itemsize=itemsize)
+
+
+SCHEDULE = Schedule(NAME, "ring", True, _plan, "ring_rounds")
+
+
+def _rest(coll: Coll, flat: np.ndarray, opts: Options, done: int) -> None:
+    """The rounds of ``ring_plan``'s call from ``done`` on, through the engine. The segments the reduce-scatter
+    rounds left add into still hold this rank's input: they are checked first, as those rounds would have."""
+    n, q = coll.size, coll.rank
+    segs = segments(flat.size, n, max(1, SEGMENT_BYTES // flat.itemsize))
+    k = len(segs[0])
+    if opts.check_finite and coll.status is None:
+        for r in range(done, (n - 1) * k):
+            a, b = segs[(q - r // k - 1) % n][r % k]
+            status = local_status(flat[a:b], True)
+            if status is not None:
+                coll.status = (status[0], a + status[1], status[2])
+                break
+    ring_pass(coll, flat, opts, allgather=True, shift=0, done=done)
 
 
 def ring_pass(coll: Coll, flat: np.ndarray, opts: Options, *, allgather: bool, shift: int,
-              segment_bytes: int = SEGMENT_BYTES, divisor: int | None = None) -> None:
+              segment_bytes: int = SEGMENT_BYTES, divisor: int | None = None, done: int = 0) -> None:
     """Run the ring's reduce-scatter (and, with ``allgather``, its allgather) over ``flat``.
 
     ``shift`` rotates the schedule: after reduce-scatter rank ``q`` holds the
     reduced chunk ``q + shift + 1`` (``shift=-1`` gives every rank its own
-    chunk, as reduce_scatter wants). A segment whose sum comes out
-    non-finite is marked at its first element, so the start of every
-    segment is a marker slot (``Coll.marks``). ``mean`` divides by
-    ``divisor`` (default the ring's size; the two-level allreduce's ring of
-    host leaders divides by the whole group's).
+    chunk, as reduce_scatter wants). Each chunk goes in ``segments``. A
+    segment whose sum comes out non-finite is marked at its first element,
+    so the start of every segment is a marker slot (``Coll.marks``).
+    ``mean`` divides by ``divisor`` (default the ring's size; the two-level
+    allreduce's ring of host leaders divides by the whole group's).
+    ``done``: the rounds (a step's segment each) already done by
+    ``ring_plan``'s compiled call; the schedule goes on after them.
     """
     n, q = coll.size, coll.rank
     right, left = (q + 1) % n, (q - 1) % n
-    bounds = chunk_bounds(flat.size, n)
-    seg = max(1, segment_bytes // flat.itemsize)
+    parts = segments(flat.size, n, max(1, segment_bytes // flat.itemsize))
+    k = len(parts[0])
     tag = coll.tag0 + tags.RING
     total = 2 * (n - 1) if allgather else n - 1
     base = q + shift
 
     def segs(c: int) -> list[tuple[int, int]]:
-        c %= n
-        return segment_bounds(bounds[c], bounds[c + 1], seg)
+        return parts[c % n]
 
-    # Setup, done once: the receive schedule (step, lo, hi) in order, two
-    # scratch rows for in-flight reduce-scatter segments, the combine kernel,
-    # and the marker slots.
-    units = [(g, a, b) for g in range(total) for a, b in segs(base - g - 1)]
-    tmp = scratch(opts.workspace, "ring", (2, min(seg, bounds[1] - bounds[0])), flat.dtype)
+    # Setup, done once: the receive schedule (step, lo, hi) in order from the
+    # first round not done, two scratch rows for in-flight reduce-scatter
+    # segments, the combine kernel, and the marker slots.
+    units = [(g, a, b) for g in range(total) for a, b in segs(base - g - 1)][done:]
+    tmp = scratch(opts.workspace, "ring", (2, max(1, max(b - a for a, b in parts[0]))), flat.dtype)
     combine = combiner(opts, n if divisor is None else divisor)
     coll.marks = [a for c in range(n) for a, b in segs(c) if b > a]
     sends: list[list[Request]] = [[] for _ in range(total)]
@@ -96,9 +159,10 @@ def ring_pass(coll: Coll, flat: np.ndarray, opts: Options, *, allgather: bool, s
         reqs[u] = coll.irecv(left, target, tag)
 
     coll.begin(total)
-    coll.step = 1
-    for a, b in segs(base):
-        sends[0].append(coll.isend(right, flat[a:b], tag))
+    coll.step = done // k + 1
+    for i in range(done, min(done + k, total * k)):  # the rounds whose segment is here already: sent first
+        a, b = segs(base - i // k)[i % k]
+        sends[i // k].append(coll.isend(right, flat[a:b], tag))
     for u in range(min(2, len(units))):
         post(u)
     for u, (g, a, b) in enumerate(units):
@@ -108,7 +172,7 @@ def ring_pass(coll: Coll, flat: np.ndarray, opts: Options, *, allgather: bool, s
             # An overflow, a planted bad input or an upstream marker marks the segment's
             # first element, so the owner's copy and everyone's allgathered copy show it.
             combine(flat[a:b], tmp[u % 2, : b - a], g == n - 2)
-        if g + 1 < total:
+        if g + 1 < total:  # forwarded in the next step as it comes (round done + u + k)
             sends[g + 1].append(coll.isend(right, flat[a:b], tag))
         if u + 2 < len(units):
             post(u + 2)

@@ -38,17 +38,20 @@ from __future__ import annotations
 
 import dataclasses
 import math
+import time
 from collections.abc import Callable, Hashable, Sequence
 
 import numpy as np
 
 from ..errors import UsageError
 from ..transport.base import Request, Transport
+from ..transport.plan import set_tags
 from . import tags
-from ._common import Coll, Options, Workspace, plant, scratch
-from ._guard import first_marker, guarded_allreduce
-from .recursive_doubling import rd_pass
-from .ring import SEGMENT_BYTES, ring_pass
+from ._common import TRANSLATED, Coll, Options, Workspace, plant, scratch
+from ._guard import ERRORS, LEAN_DTYPES, first_marker, guarded_allreduce
+from ._planned import Plan
+from .recursive_doubling import rd_pass, rd_plan
+from .ring import SEGMENT_BYTES, ring_pass, ring_plan
 from .star import _reduce_rows
 
 __all__ = ["two_level_allreduce", "host_layout", "INTRA", "CROSS", "Leaders"]
@@ -151,11 +154,60 @@ class Leaders(Coll):
 
 
 def _cross_ring(coll: Coll, flat: np.ndarray, opts: Options, segment_bytes: int, n: int) -> None:
-    ring_pass(coll, flat, opts, allgather=True, shift=0, segment_bytes=segment_bytes, divisor=n)
+    """The leaders' ring. Where the transport runs a plan of rounds in one compiled call (tcp's, reached through
+    ``RoutedTransport.exchange_plan``), a float32 or float64 mean or sum with the default segments runs every step
+    that way (``ring_plan``), with the frames of the engine's ring, which runs what a declined or stopped call
+    leaves."""
+    done = 0
+    if segment_bytes == SEGMENT_BYTES and isinstance(coll, Leaders) and _compiled(coll, flat, opts):
+        p = ring_plan(coll.rank, coll.size, flat.size, opts.op == "mean", itemsize=flat.itemsize)
+        done = _cross_planned(coll, flat, opts, n, p, "ring_rounds")
+        if done == len(p.peers):
+            return
+    ring_pass(coll, flat, opts, allgather=True, shift=0, segment_bytes=segment_bytes, divisor=n, done=done)
 
 
 def _cross_rd(coll: Coll, flat: np.ndarray, opts: Options, segment_bytes: int, n: int) -> None:
-    rd_pass(coll, flat, opts, divisor=n)
+    """The leaders' recursive doubling: its rounds in one compiled call where the ring's would be (the engine's
+    frames: the whole buffer a round), between a power-of-two number of leaders."""
+    h = coll.size
+    done = 0
+    if h > 1 and not h & (h - 1) and isinstance(coll, Leaders) and _compiled(coll, flat, opts):
+        done = _cross_planned(coll, flat, opts, n, rd_plan(coll.rank, h, flat.size, opts.op == "mean"), "rd")
+    if done < h.bit_length() - 1:
+        rd_pass(coll, flat, opts, divisor=n, done=done)
+
+
+def _compiled(coll: Coll, flat: np.ndarray, opts: Options) -> bool:
+    """Whether the leaders' step can run compiled: a transport that compiles plans, a mean or sum of a contiguous
+    float32 or float64 buffer, the compiled kernel."""
+    return getattr(coll.t, "exchange_plan", None) is not None and opts.op in ("mean", "sum") \
+        and flat.dtype in LEAN_DTYPES and opts.backend in (None, "cython") and flat.flags.c_contiguous
+
+
+def _cross_planned(coll: Leaders, flat: np.ndarray, opts: Options, n: int, p: Plan, tmp_name: str) -> int:
+    """The leaders' rounds of ``p`` (in the leaders' numbering; a mean divides by the group's size ``n``) as one
+    compiled call: the rounds it did (0: declined, nothing moved)."""
+    peers = tuple(coll.members[x] for x in p.peers)
+    set_tags(p.spec, [coll.tag0 + phase for phase in p.phases])
+    tmp = scratch(opts.workspace, tmp_name, max(p.tmp, 1), flat.dtype)
+    coll.begin(len(peers))
+    coll.marks = [p.bounds[c] for c in range(len(p.bounds) - 1) if p.bounds[c + 1] > p.bounds[c]]
+    at = [0]
+    t0 = time.perf_counter()
+    try:
+        # (the host's sum goes in: a non-finite element of it is a marker, found on the result, not an input)
+        return int(coll.t.exchange_plan(peers, flat, tmp, p.spec, coll.deadline.remaining(), n,  # type: ignore[attr-defined]
+                                        opts.check_finite, [], at,
+                                        None if p.sources is None else tuple(coll.members[x] for x in p.sources)))
+    except ERRORS as exc:
+        coll.step = at[0] + 1
+        if not isinstance(exc, TRANSLATED):
+            raise
+        peer = getattr(exc, "peer", None)
+        raise coll.translate(exc, peer if type(peer) is int else peers[min(at[0], len(peers) - 1)]) from exc
+    finally:
+        coll.t.note_wait(time.perf_counter() - t0)  # as Coll.sendrecv counts it (ProcessGroup.stats() "wait time")
 
 
 #: Step 2 by name: ``fn(leaders, flat, opts, segment_bytes, n)``, the group's size ``n`` dividing a mean.

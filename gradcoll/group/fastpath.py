@@ -5,10 +5,10 @@ writeable, ``algorithm="auto"``, not ``async_op``. Two paths take it:
 
 * one host (the transport offers a shared window): the direct allreduce
   (``gradcoll.algorithms.direct.hot_allreduce``), in every variant it runs;
-* a power-of-two group over a transport with an exchange-and-reduce step
-  (tcp), where ``auto`` picks recursive doubling or halving-doubling for
-  the size: that allreduce, which runs one compiled step per round (per
-  reduce-scatter round in halving-doubling).
+* a group over a transport with an exchange-and-reduce step (tcp), where
+  ``auto`` picks, for the size, recursive doubling or halving-doubling in a
+  power-of-two group, or the ring in any (with the group's default
+  segments): that allreduce, which runs its rounds in one compiled call.
 
 Both run through ``Executor.inline``: the same sequence numbers, stats,
 trace and poisoning as ``Executor.submit``, without the general path's
@@ -28,6 +28,7 @@ from ..algorithms._window_plan import EXACT, PLAIN
 from ..algorithms.direct import VARIANT_NAMES, hot_allreduce, hot_variant
 from ..algorithms.halving_doubling import halving_doubling_allreduce
 from ..algorithms.recursive_doubling import recursive_doubling_allreduce
+from ..algorithms.ring import SEGMENT_BYTES, ring_allreduce
 from ..transport.base import Transport
 from .buffers import HOT_DTYPES
 
@@ -40,14 +41,14 @@ GENERAL: Any = object()
 _STEPPED: dict[str, tuple[str, Any]] = {
     "recursive_doubling": ("recursive_doubling allreduce", recursive_doubling_allreduce),
     "halving_doubling": ("halving_doubling allreduce", halving_doubling_allreduce),
+    "ring": ("ring allreduce", ring_allreduce),
 }
 _RD_OPS = ("mean", "sum")
 
 
 def stepped(transport: Transport) -> bool:
-    """Whether ``transport``'s group can take the recursive-doubling fast path (its size a power of two > 1)."""
-    n = transport.size
-    return n > 1 and not n & (n - 1) and hasattr(transport, "exchange_reduce")
+    """Whether ``transport``'s group can take the stepped fast path (a size > 1, the transport's compiled step)."""
+    return transport.size > 1 and hasattr(transport, "exchange_reduce")
 
 
 def fast_allreduce(pg: Any, buf: Any, op: str, algorithm: str, check_finite: bool, async_op: bool,
@@ -71,7 +72,8 @@ def fast_allreduce(pg: Any, buf: Any, op: str, algorithm: str, check_finite: boo
             variant), buf.nbytes)
     if pg._stepped and op in _RD_OPS and not (wire_dtype or deterministic):
         algo = pg._pick("auto", buf.nbytes)
-        if algo in _STEPPED:
+        n = pg.transport.size
+        if algo in _STEPPED and (not n & (n - 1) if algo != "ring" else pg.segment_bytes == SEGMENT_BYTES):
             name, fn = _STEPPED[algo]
             return pg._exec.inline(name, _rd, (fn, pg.transport, buf, op, check_finite, limit, pg._ws,
                                               pg.kernel_backend), buf.nbytes)

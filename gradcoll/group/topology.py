@@ -257,7 +257,8 @@ class Topology:
     def _two_level(self, nbytes: int, segment_bytes: int) -> tuple[Transport, dict[str, Any]]:
         """The transport the two-level allreduce runs on (built at its first call) and its arguments.
 
-        Between the host leaders it runs what ``auto`` would run on that many ranks (ring or recursive doubling).
+        Between the host leaders it runs what ``auto`` would run on that many ranks: the ring for its ring or
+        halving-doubling, recursive doubling for its recursive doubling or star.
         """
         if self.hosts is None:
             self._learn_hosts()
@@ -265,8 +266,9 @@ class Topology:
             self._routed = self._routes()
         leaders = len(self.host_layout())
         cross = select_allreduce(nbytes, leaders, self.transport.name) if leaders > 1 else "ring"
+        # (halving-doubling, auto's bandwidth-optimal choice, is the ring's bytes; the star, recursive doubling's)
         return self._routed, {"hosts": cast(Sequence[Hashable], self.hosts), "segment_bytes": segment_bytes,
-                              "cross": cross if cross in ("ring", "recursive_doubling") else "recursive_doubling"}
+                              "cross": {"halving_doubling": "ring", "star": "recursive_doubling"}.get(cross, cross)}
 
     def _learn_hosts(self) -> None:
         """Every rank's host, by an allgather (a group built directly on a tcp or mpi transport did not learn it)."""

@@ -29,12 +29,16 @@ A transport is described by ``AlphaBeta``:
 * ``piece_bytes``: where the transport runs a recursive-doubling round as one compiled step that reduces the
   peer's bytes as they arrive, with the send at most this far ahead of the receive (tcp: 1 MiB,
   ``gradcoll.transport.tcp_fast.PIECE_BYTES``), the round's per-core working set is that piece, not the
-  message: the ``l2`` term counts the piece. The step runs where ``n`` is a power of two (no fold, no unfold).
-  There, recursive doubling and halving-doubling run all their rounds in one compiled call
-  (``gradcoll.transport.tcp_rounds``): ``alpha`` and ``switch`` count once per call for them.
+  message: the ``l2`` term counts the piece (for the rounds of the ring and halving-doubling too). The step runs where ``n`` is a power of
+  two (no fold, no unfold). There, recursive doubling and halving-doubling run all their rounds in one compiled
+  call (``gradcoll.transport.tcp_rounds``), and the ring does in a group of any size: ``alpha`` and ``switch``
+  count once per call for them.
 * ``round_s``: per round of such a call (the round trip of its frames), times ``max(1, ranks / cores)``: its
   waits poll and yield the core instead of sleeping, so a round costs less than an engine's message.
   Not fitted (0: the whole message).
+* ``call_s``: the fixed cost of such a call, in place of ``alpha``, which stays the cost of a message
+  through the transport's queues (the star's, and every message where nothing runs compiled): one call
+  checks its links and takes the transport's lock once for all its rounds.
 
 The node is an explicit input (``Node``: ranks on one node and the cores they share); the default,
 ``node=None``, gives every rank a core of its own (and the cache to itself), which is what the 8-1,024-rank
@@ -103,7 +107,7 @@ __all__ = ["AlphaBeta", "Node", "Work", "ALGORITHMS", "DIRECT_MODES", "PARAMETER
 
 #: The linear parameters ``fit`` can estimate, in this order.
 PARAMETERS = ("alpha_s", "switch_s", "beta_s_per_byte", "gamma_s_per_byte", "delta_s_per_byte", "mem_s_per_byte",
-              "l2_s_per_byte", "wait_share", "round_s")
+              "l2_s_per_byte", "wait_share", "round_s", "call_s")
 
 #: The stored models fitted to this project's measurements (``benches/fit_costmodel.py --write``).
 FITTED_PATH = os.path.join(os.path.dirname(os.path.abspath(__file__)), "fitted.json")
@@ -126,6 +130,7 @@ class AlphaBeta:
     wait_busy_s: float = 0.0
     piece_bytes: float = 0.0
     round_s: float = 0.0
+    call_s: float = 0.0
 
     def describe(self) -> str:
         """``alpha 12.3 us, beta 1.05 GB/s, gamma 4.2 GB/s`` (bandwidths as 1/beta, ...), then the optional terms."""
@@ -146,6 +151,8 @@ class AlphaBeta:
             out += f", recursive doubling in {self.piece_bytes / 1024:.3g} KiB pieces"
         if self.round_s:
             out += f", {self.round_s * 1e6:.3g} us a compiled round"
+        if self.call_s:
+            out += f", {self.call_s * 1e6:.3g} us a compiled call"
         return out
 
 
@@ -169,13 +176,14 @@ def link_model(gbit_per_s: float, alpha_s: float, reduce_bytes_per_s: float) -> 
 def _columns(algorithm: str, n: int, nbytes: float, node: Node | None, model: AlphaBeta | None) -> np.ndarray:
     """The coefficients of ``PARAMETERS`` in the predicted time (the CPU branch chosen with ``model``)."""
     w = work(algorithm, n, nbytes)
-    if algorithm == "recursive_doubling" and model is not None and 0 < model.piece_bytes < w.message and not n & (n - 1):
+    planned = _planned(algorithm, n, model)
+    if planned and model is not None and model.piece_bytes < w.message:
         w = w._replace(message=model.piece_bytes)  # the transport's step reduces each piece while it is in cache
     ranks, cores = (1, 1.0) if node is None else (min(node.ranks, n), node.cores)
     cache = 0.0 if model is None else model.cache_bytes
     out_of_cache = max(0.0, 1.0 - cache / (float(nbytes) * ranks)) if nbytes > 0 else 0.0
     l2_bytes = 0.0 if model is None else model.l2_bytes
-    if algorithm == "halving_doubling" and n >= 4:  # at 2 (and 3) ranks its rounds are the ring's messages
+    if algorithm == "halving_doubling" and n >= 4 and not planned:  # at 2 (and 3) ranks the ring's messages
         l2 = halving_out_of_l2(n, float(nbytes), l2_bytes, ranks / cores)
     else:
         l2 = out_of_l2(w.message, l2_bytes, ranks / cores)
@@ -196,17 +204,24 @@ def _columns(algorithm: str, n: int, nbytes: float, node: Node | None, model: Al
             # The critical rank works while others wait for it; a waiting rank stays runnable (polls or
             # yields) for the transport's first wait_busy_s, and takes a share of the cores meanwhile.
             waiting = x * min(float(crit @ g), model.wait_busy_s)
-    # Where the transport runs a power-of-two group's rounds as compiled steps (piece_bytes), recursive doubling
-    # and halving-doubling run all their rounds in one call: the per-message software cost and the wake-up of a
-    # descheduled peer count once for the call, and each round, whose waits poll and yield instead of
-    # sleeping, costs round_s, times the ranks sharing a core.
-    if algorithm in _PLANNED and model is not None and model.piece_bytes > 0 and n > 1 and not n & (n - 1):
-        return np.array([1.0, x, w.link_bytes, *cpu, waiting, w.messages * (1.0 + x)])
-    return np.array([w.messages, w.messages * x, w.link_bytes, *cpu, waiting, 0.0])
+    # Where the transport runs the rounds as compiled steps (piece_bytes), recursive doubling and halving-doubling
+    # (in a power-of-two group) and the ring (in any) run all their rounds in one call: its fixed cost (call_s,
+    # in place of the messages' alpha) and the wake-up of a descheduled peer count once, and each round, whose
+    # waits poll and yield instead of sleeping, costs round_s, times the ranks sharing a core.
+    if planned:
+        return np.array([0.0, x, w.link_bytes, *cpu, waiting, w.messages * (1.0 + x), 1.0])
+    return np.array([w.messages, w.messages * x, w.link_bytes, *cpu, waiting, 0.0, 0.0])
 
 
-#: The algorithms a transport with compiled steps (``AlphaBeta.piece_bytes``) runs as one call of all their rounds.
-_PLANNED = ("recursive_doubling", "halving_doubling")
+#: The algorithms a transport with compiled steps (``AlphaBeta.piece_bytes``) runs as one call of all their rounds:
+#: the ring in any group, the others in a power-of-two group.
+_PLANNED = ("recursive_doubling", "halving_doubling", "ring")
+
+
+def _planned(algorithm: str, n: int, model: AlphaBeta | None) -> bool:
+    """Whether ``model``'s transport runs ``algorithm`` on ``n`` ranks as one compiled call of all its rounds."""
+    return algorithm in _PLANNED and model is not None and model.piece_bytes > 0 and n > 1 and (
+        algorithm == "ring" or not n & (n - 1))
 
 
 def _vector(model: AlphaBeta) -> np.ndarray:
@@ -224,11 +239,9 @@ def busbw(nbytes: float, n: int, seconds: float) -> float:
 
 
 def candidates(model: AlphaBeta, n: int, algorithms: Sequence[str] = ALGORITHMS) -> Sequence[str]:
-    """``algorithms`` less the ring where the transport runs a power-of-two group's rounds compiled
-    (``piece_bytes``): there halving-doubling moves the ring's bytes with its rounds in one call, and the ring's
-    steps stay the engine's messages. On 2 and 4 tcp ranks the ring took 1.15-1.3x halving-doubling's time from
-    1 MiB (docs/scaling.md), which the closed forms tie at 2 ranks within their errors."""
-    if model.piece_bytes > 0 and n > 1 and not n & (n - 1) and "halving_doubling" in algorithms:
+    """``algorithms`` less the ring on 2 ranks where the transport runs the rounds compiled (``piece_bytes``):
+    there the ring's two rounds are halving-doubling's, in the same one call, and the closed forms tie them."""
+    if model.piece_bytes > 0 and n == 2 and "halving_doubling" in algorithms:
         return tuple(a for a in algorithms if a != "ring")
     return algorithms
 

@@ -343,7 +343,11 @@ class FramedTransport(Transport):
                 return
             if self._stepping is not None:  # a compiled step owns a socket: wake it, let it hand over first
                 self._wake_driver()
-                self._cv.wait_for(lambda: self._stepping is None, timeout=5.0)
+                self._sleepers += 1  # (the hand-over notifies sleepers only)
+                try:
+                    self._cv.wait_for(lambda: self._stepping is None, timeout=5.0)
+                finally:
+                    self._sleepers -= 1
             self.closed = True
             for link in self._links:
                 if link is not None:

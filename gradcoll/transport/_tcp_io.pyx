@@ -538,7 +538,7 @@ cdef Py_ssize_t REDUCE_STEP = 16384
 
 cdef struct XS:
     # one exchange's state: what ``_xloop`` reads, and what it leaves for the caller
-    int fd, wake, is64, mode, serr, rerr, eof, bad, fin, outcome
+    int fd, rfd, wake, is64, mode, serr, rerr, eof, bad, fin, outcome
     bint same, copy, check, check_acc, bad_in_acc
     uint8_t* a
     uint8_t* sp
@@ -558,8 +558,8 @@ cdef void _xloop(XS* s) noexcept nogil:
     """``exchange``'s loop on ``s`` (the frames from ``s.soff``/``s.roff``, the header ``s.sh`` written): moves,
     checks and reduces until both frames are done or something stops it; ``s.outcome`` says which."""
     cdef Py_ssize_t before, upto, ready_elems, lim, floor_b, pay
-    cdef int moved, ready, ms
-    cdef pollfd pfd[2]
+    cdef int moved, ready, ms, nfds
+    cdef pollfd pfd[3]
     cdef double now, spin_end
     now = _now()
     spin_end = now + s.spin
@@ -592,9 +592,9 @@ cdef void _xloop(XS* s) noexcept nogil:
         while s.roff < s.total:  # everything already here, the header checked once it is complete
             before = s.roff
             if s.copy:
-                s.roff = _move(s.fd, s.rh, s.a, s.roff, s.total, False, &s.rerr, &s.eof)
+                s.roff = _move(s.rfd, s.rh, s.a, s.roff, s.total, False, &s.rerr, &s.eof)
             else:
-                s.roff = _pull_ring(s.fd, s.rh, s.rg, s.rsize, s.roff, s.total, s.red * s.item + s.rsize, &s.rerr,
+                s.roff = _pull_ring(s.rfd, s.rh, s.rg, s.rsize, s.roff, s.total, s.red * s.item + s.rsize, &s.rerr,
                                     &s.eof)
             moved = moved or s.roff > before
             if not (before < HDR <= s.roff):
@@ -632,24 +632,30 @@ cdef void _xloop(XS* s) noexcept nogil:
         if moved:
             spin_end = _now() + s.spin  # the spin counts from the last byte moved
             continue
+        # the send's link, the wake socket, and the receive's link where it is another one (a ring's left)
         pfd[0].fd = s.fd
-        pfd[0].events = (POLLIN_ if s.roff < s.total and (s.copy or s.roff < HDR or pay - floor_b < s.rsize) else 0) \
-            | (POLLOUT_ if s.soff < lim else 0)
-        pfd[0].revents = 0
+        pfd[0].events = POLLOUT_ if s.soff < lim else 0
         pfd[1].fd = s.wake
         pfd[1].events = POLLIN_
         pfd[1].revents = 0
+        pfd[2].fd = s.rfd
+        pfd[2].events = POLLIN_ if s.roff < s.total and (s.copy or s.roff < HDR or pay - floor_b < s.rsize) else 0
+        pfd[2].revents = 0
+        if s.rfd == s.fd:
+            pfd[0].events |= pfd[2].events
+        pfd[0].revents = 0
         now = _now()
         if s.timeout >= 0 and now >= s.end:
             break  # the engine raises the timeout, with its words (checked while spinning too: a peer that
             # trickles bytes keeps the spin going)
+        nfds = 2 if s.rfd == s.fd else 3
         if now < spin_end:
-            ready = poll(pfd, 2, 0)
+            ready = poll(pfd, nfds, 0)
             if ready == 0:
                 sched_yield()
         else:
             ms = 60000 if s.timeout < 0 or s.end - now > 60.0 else <int>((s.end - now) * 1000.0) + 1
-            ready = poll(pfd, 2, ms)
+            ready = poll(pfd, nfds, ms)
         if ready > 0 and pfd[1].revents:
             break  # another thread queued work: the engine drives from here
 
@@ -657,12 +663,14 @@ cdef void _xloop(XS* s) noexcept nogil:
 cdef enum:
     PLAN_COPY_ = 1
     PLAN_DIVIDE_ = 2
+    PLAN_CHECK_ = 4
 
 
-cdef inline void _xround(XS* s, int fd, uint64_t sseq, uint64_t rseq, double divisor) noexcept nogil:
-    """Set ``s`` up for a fresh exchange on ``fd`` (frames ``sseq`` out, ``rseq`` in), the sum divided by
-    ``divisor``; the arrays, sizes, ring, tag and deadline are the caller's."""
-    s.fd, s.rseq = fd, rseq
+cdef inline void _xround(XS* s, int fd, int rfd, uint64_t sseq, uint64_t rseq, double divisor) noexcept nogil:
+    """Set ``s`` up for a fresh exchange: frame ``sseq`` out on ``fd``, frame ``rseq`` in on ``rfd`` (the same link
+    but in a ring's round), the sum divided by ``divisor``; the arrays, sizes, ring, tag and deadline are the
+    caller's."""
+    s.fd, s.rfd, s.rseq = fd, rfd, rseq
     s.soff = s.roff = s.red = 0
     s.serr = s.rerr = s.eof = s.bad = 0
     s.fin, s.outcome = 1, X_STOPPED
@@ -776,7 +784,7 @@ def exchange(int fd, int wake, cnp.ndarray acc, cnp.ndarray tmp, uint32_t tag, u
     _xarrays(&s, acc, tmp, src, copy, ring, ahead)
     s.wake, s.tag, s.check, s.spin, s.timeout = wake, tag, check, spin, timeout
     s.check_acc = check_input and not s.same
-    _xround(&s, fd, sseq, rseq, divisor)
+    _xround(&s, fd, fd, sseq, rseq, divisor)
     if stage is not None and stage.shape[0] >= 4096 and s.stotal > HDR and _aliased(s.sp):
         s.stg, s.stsize = &stage[0], stage.shape[0]
     if not _x_first_piece(&s, check_input):
@@ -788,53 +796,60 @@ def exchange(int fd, int wake, cnp.ndarray acc, cnp.ndarray tmp, uint32_t tag, u
 
 
 #: ``exchange_plan``'s fields of a round, in this order (``PLAN_FIELDS`` int64 per round).
-PLAN_FD, PLAN_TAG, PLAN_SSEQ, PLAN_RSEQ, PLAN_A, PLAN_B, PLAN_C, PLAN_D, PLAN_FLAGS = range(9)
-PLAN_FIELDS = 9
+PLAN_FD, PLAN_TAG, PLAN_SSEQ, PLAN_RSEQ, PLAN_A, PLAN_B, PLAN_C, PLAN_D, PLAN_FLAGS, PLAN_RFD = range(10)
+PLAN_FIELDS = 10
+cdef enum:
+    NF = 10
 
 
 cdef inline void _xplan(XS* s, uint8_t* base, const int64_t[::1] plan, Py_ssize_t k, double divisor,
                         uint8_t* stage, Py_ssize_t stsize) noexcept nogil:
     """``s`` set up for round ``k`` of ``exchange_plan``."""
-    cdef const int64_t* r = &plan[9 * k]
+    cdef const int64_t* r = &plan[NF * k]
     s.a, s.m = base + r[4] * s.item, r[5] - r[4]
     s.nbytes, s.total = s.m * s.item, HDR + s.m * s.item
     s.sp, s.sm = base + r[6] * s.item, r[7] - r[6]
     s.stotal = HDR + s.sm * s.item
     s.same, s.copy, s.tag = r[4] == r[6] and r[5] == r[7], r[8] & PLAN_COPY_, <uint32_t>r[1]
-    _xround(s, <int>r[0], <uint64_t>r[2], <uint64_t>r[3], divisor if r[8] & PLAN_DIVIDE_ else 1.0)
+    _xround(s, <int>r[0], <int>r[9], <uint64_t>r[2], <uint64_t>r[3], divisor if r[8] & PLAN_DIVIDE_ else 1.0)
     s.stg, s.stsize = NULL, 0
     if stage != NULL and s.stotal > HDR and _aliased(s.sp):
         s.stg, s.stsize = stage, stsize
 
 
-#: ``exchange_plan``'s round flags: receive into the array and reduce nothing; divide the round's sum.
-PLAN_COPY, PLAN_DIVIDE = 1, 2
+#: ``exchange_plan``'s round flags: receive into the array and reduce nothing; divide the round's sum; check the part
+#: added into as this rank's input (it is untouched by the rounds before: a ring's reduce-scatter).
+PLAN_COPY, PLAN_DIVIDE, PLAN_CHECK = 1, 2, 4
 
 
 def exchange_plan(int wake, cnp.ndarray flat, cnp.ndarray tmp, const int64_t[::1] plan, double spin,
                   double timeout, double divisor, bint check_input, bint check, Py_ssize_t ahead, uint8_t[::1] ring,
                   uint8_t[::1] stage=None):
-    """``exchange`` round after round in one call, on parts of one buffer (the rounds of a recursive doubling, or of
-    a halving-doubling's reduce-scatter and allgather). ``plan`` holds ``PLAN_FIELDS`` integers per round: round
-    ``k`` runs on the link ``fd`` with ``tag``, sends frame ``sseq`` of ``flat[c:d]`` and receives frame
-    ``rseq``, of ``b - a`` elements, into ``flat[a:b]``: added into it (through the ring, ``tmp`` as
+    """``exchange`` round after round in one call, on parts of one buffer (the rounds of a recursive doubling, of
+    a halving-doubling's reduce-scatter and allgather, or of a ring's). ``plan`` holds ``PLAN_FIELDS`` integers
+    per round: round ``k`` sends frame ``sseq`` of ``flat[c:d]`` with ``tag`` on the link ``fd`` and receives
+    frame ``rseq``, of ``b - a`` elements, on the link ``rfd`` (``fd`` itself but in a ring, whose rounds send
+    to one neighbour and receive from the other) into ``flat[a:b]``: added into it (through the ring, ``tmp`` as
     ``exchange``'s), or copied (``flags & PLAN_COPY``). The sum of a round with ``PLAN_DIVIDE`` is divided by
-    ``divisor``. ``check_input`` checks the first round's arrays as ``exchange`` does. A round whose result is
-    not finite marks the first element it received into (NaN), as ``exchange`` does, and the rounds go on.
-    ``timeout`` is for all the rounds together.
+    ``divisor``. ``check_input`` checks the first round's arrays as ``exchange`` does, and the part a later round
+    with ``PLAN_CHECK`` adds into. A round whose result is not finite marks the first element it received into
+    (NaN), as ``exchange`` does, and the rounds go on. ``timeout`` is for all the rounds together.
 
     Returns ``(k, outcome, ...)``: the index of the last round run and ``exchange``'s answer for it (``STOPPED``:
-    the rounds from ``k`` on are the caller's; ``BAD_INPUT``: nothing was sent), its ``bad_input`` that of the
-    first round (an index of ``flat[a:b]`` when ``in_acc``, else of ``flat[c:d]``). ``stage`` as ``exchange``'s.
+    the rounds from ``k`` on are the caller's; ``BAD_INPUT``: nothing was sent), its ``bad_input`` the first
+    non-finite input element any round found, as an index of ``flat``. ``stage`` as ``exchange``'s.
     """
     cdef XS s
-    cdef Py_ssize_t k = 0, rounds = plan.shape[0] // 9, size, most = 0, i
+    cdef Py_ssize_t k = 0, rounds = plan.shape[0] // NF, size, most = 0, i
     cdef int64_t a, b, c, d
-    cdef object bad0 = None
+    cdef Py_ssize_t bad_at = -1
+    cdef double bad_v = 0.0
+    cdef bint bad_acc = False
+    cdef const int64_t* r
     cdef uint8_t* base
     cdef uint8_t* stg = NULL
     cdef Py_ssize_t stsize = 0
-    if rounds < 1 or plan.shape[0] != 9 * rounds:
+    if rounds < 1 or plan.shape[0] != NF * rounds:
         raise ValueError("exchange_plan takes PLAN_FIELDS integers per round")
     _xarrays(&s, flat, flat, None, False, ring, ahead)
     if cnp.PyArray_TYPE(tmp) != cnp.PyArray_TYPE(flat) or not cnp.PyArray_IS_C_CONTIGUOUS(tmp) \
@@ -842,14 +857,14 @@ def exchange_plan(int wake, cnp.ndarray flat, cnp.ndarray tmp, const int64_t[::1
         raise ValueError("exchange_plan takes a writeable C-contiguous tmp of the buffer's dtype")
     size = s.m
     for i in range(rounds):
-        a, b, c, d = plan[9 * i + 4], plan[9 * i + 5], plan[9 * i + 6], plan[9 * i + 7]
+        a, b, c, d = plan[NF * i + 4], plan[NF * i + 5], plan[NF * i + 6], plan[NF * i + 7]
         if not (0 <= a <= b <= size and 0 <= c <= d <= size):
             raise ValueError(f"exchange_plan's round {i} is out of the buffer: {(a, b, c, d)}, size {size}")
         if not (a == c and b == d) and b > a and d > c and a < d and c < b:
             raise ValueError(f"exchange_plan's round {i} sends part of what it receives into")
-        if not (0 <= plan[9 * i + 1] <= 0xFFFFFFFF):
-            raise ValueError(f"exchange_plan's round {i} has tag {plan[9 * i + 1]}")
-        if not plan[9 * i + 8] & PLAN_COPY_ and b - a > most:
+        if not (0 <= plan[NF * i + 1] <= 0xFFFFFFFF):
+            raise ValueError(f"exchange_plan's round {i} has tag {plan[NF * i + 1]}")
+        if not plan[NF * i + 8] & PLAN_COPY_ and b - a > most:
             most = b - a
     if cnp.PyArray_SIZE(tmp) < most:
         raise ValueError("exchange_plan's tmp is smaller than a round's receive")
@@ -865,19 +880,17 @@ def exchange_plan(int wake, cnp.ndarray flat, cnp.ndarray tmp, const int64_t[::1
         s.end = _now() + timeout
         while True:
             _xloop(&s)
+            if s.bad_i >= 0 and bad_at < 0:  # the first bad input element found, as an index of flat
+                r = &plan[NF * k]
+                bad_at, bad_v, bad_acc = s.bad_i + (r[4] if s.bad_in_acc else r[6]), s.bad_v, s.bad_in_acc
             if s.outcome == X_STOPPED or k == rounds - 1:
                 break
-            if k == 0 and s.bad_i >= 0:
-                with gil:
-                    bad0 = (s.bad_i, s.bad_v, bool(s.bad_in_acc))
             k += 1
             _xplan(&s, base, plan, k, divisor, stg, stsize)
-            s.check_acc = False
-            s.chk = s.sm  # (the input is checked in the first round only)
+            s.check_acc = check_input and not s.same and plan[NF * k + 8] & PLAN_CHECK_ != 0
+            s.chk = s.sm  # (what a later round sends is not this rank's input any more)
     out = _xresult(&s, <uint8_t*>cnp.PyArray_DATA(tmp))
-    if k > 0:
-        out = out[:9] + (bad0,)
-    return (k,) + out
+    return (k,) + out[:9] + (None if bad_at < 0 else (bad_at, bad_v, bool(bad_acc)),)
 
 
 def reduce_rest(cnp.ndarray acc, cnp.ndarray tmp, Py_ssize_t done, double divisor, bint finite, bint check):

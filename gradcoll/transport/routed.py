@@ -133,6 +133,15 @@ class RoutedTransport(Transport):
                 raise self._renumbered(exc, src) from exc
         return super().sendrecv(dst, sendbuf, src, recvbuf, tag, timeout)
 
+    def exchange_plan(self, peers: tuple[int, ...], *args: Any) -> int:
+        """``net``'s rounds in one compiled call (``Transport.exchange_plan``: the two-level allreduce's ring of
+        host leaders) where every peer sent to and received from is on another host; else 0, nothing moved."""
+        run = getattr(self.net, "exchange_plan", None)
+        sources = args[8] if len(args) > 8 and args[8] is not None else ()
+        if run is None or any(self._route(p) is not None for p in (*peers, *sources)):
+            return 0
+        return int(run(peers, *args))
+
     @property
     def closed(self) -> bool:
         return bool(self.net.closed or self.local.closed)

@@ -231,33 +231,40 @@ def _release(t: Any, link: Any, send_seq: int | None, recv_seq: int) -> None:
 
 
 def _adopt(t: Any, link: Any, src: np.ndarray, tmp: np.ndarray, tag: int, sseq: int, rseq: int,
-           sent: int, got: int, serr: int, rerr: int, eof: bool, hdr: bytes | None) -> tuple[Op, Op]:
-    """The engine's operations for a stopped step: ``(recv, send)``, at the head of their queues, judged."""
+           sent: int, got: int, serr: int, rerr: int, eof: bool, hdr: bytes | None,
+           rlink: Any = None) -> tuple[Op, Op]:
+    """The engine's operations for a stopped step: ``(recv, send)``, at the head of their queues, judged. The send
+    was on ``link``, the receive on ``rlink`` (None: the same link; a ring's round receives from its other
+    neighbour)."""
+    rlink = link if rlink is None else rlink
     sop = Op(t, link, True, as_bytes_view(src), tag)
     sop.seq, sop.hdr, sop.off = sseq, fr.pack_header(sseq, tag, sop.total), sent
-    rop = Op(t, link, False, as_writable_view(tmp), tag)
+    rop = Op(t, rlink, False, as_writable_view(tmp), tag)
     rop.seq, rop.off, rop.hdr = rseq, got, bytearray(_HDR)
     rop.hdr[: len(hdr or b"")] = hdr or b""
     with t._mu:
         t._driving, t._stepping = False, None
-        if link.failure is not None:  # the link failed (or closed) meanwhile: what _start would have raised
-            cls, reason = link.failure
-            for op in (rop, sop):
-                op.error, op.done = cls(f"rank {t.rank}: {op.describe()}: {reason}", rank=t.rank, peer=link.peer), True
-        else:
+        for lk, op in ((link, sop), (rlink, rop)):
+            if lk.failure is not None:  # the link failed (or closed) meanwhile: what _start would have raised
+                cls, reason = lk.failure
+                op.error, op.done = cls(f"rank {t.rank}: {op.describe()}: {reason}", rank=t.rank, peer=lk.peer), True
+        failed = sop.done  # (a failed link's ops are done with its error)
+        if not failed:
             if sent < _HDR + sop.total:
                 link.sendq.appendleft(sop)
             else:
                 sop.done = True
-            link.recvq.appendleft(rop)
             t._busy[link] = None
-            if got >= _HDR and header_in(t, link, rop) and rop.off >= _HDR + rop.total:
-                link.recvq.remove(rop)
-                t._finish_recv(link, rop)
-            if serr:
-                t._send_failed(link, OSError(serr, os.strerror(serr)))
-            elif (rerr or eof) and not rop.done:
-                t._broken(link, rop, OSError(rerr, os.strerror(rerr)) if rerr else None)
+        if not rop.done:
+            rlink.recvq.appendleft(rop)
+            t._busy[rlink] = None
+            if got >= _HDR and header_in(t, rlink, rop) and rop.off >= _HDR + rop.total:
+                rlink.recvq.remove(rop)
+                t._finish_recv(rlink, rop)
+        if serr and not failed:
+            t._send_failed(link, OSError(serr, os.strerror(serr)))
+        if (rerr or eof) and not rop.done and not (serr and rlink is link):
+            t._broken(rlink, rop, OSError(rerr, os.strerror(rerr)) if rerr else None)
         if t._sleepers:
             t._cv.notify_all()
     return rop, sop

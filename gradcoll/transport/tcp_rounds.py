@@ -32,54 +32,67 @@ import numpy as np
 
 from . import frame as fr
 from . import tcp_fast as fast
-from .plan import COPY, DIVIDE, FD, FIELDS, FLAGS, RSEQ, SSEQ, TAG, A, B, C, D, make
+from .plan import COPY, DIVIDE, FD, FIELDS, FLAGS, RFD, RSEQ, SSEQ, TAG, A, B, C, D, make
 from .tcp_fast import _adopt, _ring, _stage, staging
 
 __all__ = ["exchange_plan", "exchange_rounds"]
 
 
 class _Links:
-    """The links of a sequence of rounds (their peers checked once, kept on the transport per sequence)."""
+    """The links of a sequence of rounds (their peers checked once, kept on the transport per sequence): round ``k``
+    sends on ``links[k]`` and receives on ``rlinks[k]`` (the same link but in a ring's rounds)."""
 
-    __slots__ = ("links", "uniq", "rounds_of", "off", "secure", "ends")
+    __slots__ = ("links", "rlinks", "uniq", "sends_of", "recvs_of", "soff", "roff", "secure")
 
-    def __init__(self, t: Any, peers: tuple[int, ...]) -> None:
+    def __init__(self, t: Any, peers: tuple[int, ...], sources: tuple[int, ...]) -> None:
         self.links: list[Any] = []
+        self.rlinks: list[Any] = []
         self.uniq: list[Any] = []
-        self.rounds_of: list[list[int]] = []  # per distinct link, its rounds in order
-        self.off: list[int] = []  # per round, how many earlier rounds its link serves
-        for k, peer in enumerate(peers):
-            if type(peer) is not int or not 0 <= peer < t.size or peer == t.rank:
-                t._check_peer(peer)
-            link = t._links[peer]
-            if link not in self.uniq:
-                self.uniq.append(link)
-                self.rounds_of.append([])
-            mine = self.rounds_of[self.uniq.index(link)]
-            self.off.append(len(mine))
-            mine.append(k)
-            self.links.append(link)
+        self.sends_of: list[list[int]] = []  # per distinct link, the rounds that send on it, in order
+        self.recvs_of: list[list[int]] = []  # and those that receive on it
+        self.soff: list[int] = []  # per round, how many earlier rounds send on its send link
+        self.roff: list[int] = []  # and receive on its receive link
+        for k, (peer, src) in enumerate(zip(peers, sources, strict=True)):
+            for p in (peer, src):
+                if type(p) is not int or not 0 <= p < t.size or p == t.rank:
+                    t._check_peer(p)
+            for p, mine, off, links in ((peer, self.sends_of, self.soff, self.links),
+                                        (src, self.recvs_of, self.roff, self.rlinks)):
+                link = t._links[p]
+                if link not in self.uniq:
+                    self.uniq.append(link)
+                    self.sends_of.append([])
+                    self.recvs_of.append([])
+                rounds = mine[self.uniq.index(link)]
+                off.append(len(rounds))
+                rounds.append(k)
+                links.append(link)
         self.secure = any(link.secure is not None for link in self.uniq)  # (a link's framing is fixed)
-        # per distinct link: (link, its first round, its last, how many)
-        self.ends = tuple((link, r[0], r[-1], len(r)) for link, r in zip(self.uniq, self.rounds_of, strict=True))
+
+    def start(self, t: Any, spec: array.array[int]) -> None:
+        """Fill in every round's links and seqs, and take the seqs of the sends (lock held)."""
+        links, rlinks, soff, roff = self.links, self.rlinks, self.soff, self.roff
+        for k in range(len(links)):
+            i = FIELDS * k
+            spec[i + FD], spec[i + RFD] = links[k].fd, rlinks[k].fd
+            spec[i + SSEQ], spec[i + RSEQ] = links[k].send_seq + soff[k], rlinks[k].recv_seq + roff[k]
+        for link, sends in zip(self.uniq, self.sends_of, strict=True):
+            link.send_seq += len(sends)
 
     def release(self, t: Any, spec: array.array[int], upto: int, stopped: bool) -> None:
         """After the call: rounds before ``upto`` moved both frames, round ``upto`` was ``stopped`` (``_adopt``
         takes it over; the transport stays driven until it does) or not started, the rest not started."""
         with t._mu:
-            if upto == len(self.links):  # every round done: the seqs after each link's last round
-                for link, first, last, count in self.ends:
-                    link.recv_seq = spec[FIELDS * last + RSEQ] + 1
-                    link.send_seq = spec[FIELDS * first + SSEQ] + count
-            else:
-                for link, rounds in zip(self.uniq, self.rounds_of, strict=True):
-                    done = [k for k in rounds if k < upto]
-                    if done:
-                        link.recv_seq = spec[FIELDS * done[-1] + RSEQ] + 1
-                    link.send_seq = spec[FIELDS * rounds[0] + SSEQ] + len(done) + (1 if stopped and upto in rounds
-                                                                                else 0)
+            for link, sends, recvs in zip(self.uniq, self.sends_of, self.recvs_of, strict=True):
+                done = [k for k in recvs if k < upto]
+                if done:
+                    link.recv_seq = spec[FIELDS * done[-1] + RSEQ] + 1
+                if sends:
+                    link.send_seq = spec[FIELDS * sends[0] + SSEQ] + sum(1 for k in sends if k < upto) + (
+                        1 if stopped and upto in sends else 0)
             if stopped:
-                t._stepping = self.links[upto]
+                slink, rlink = self.links[upto], self.rlinks[upto]
+                t._stepping = slink if slink is rlink else (slink, rlink)
             else:
                 t._driving, t._stepping = False, None
             for link in self.uniq:
@@ -91,7 +104,7 @@ class _Links:
 
 def exchange_plan(t: Any, io: ModuleType, peers: tuple[int, ...], flat: np.ndarray, tmp: np.ndarray,
                   spec: array.array[int], timeout: float | None, divisor: float, check: bool,
-                  found: list[tuple[int, float]], at: list[int]) -> int:
+                  found: list[tuple[int, float]], at: list[int], sources: tuple[int, ...] | None = None) -> int:
     """The rounds of an allreduce on ``flat`` in one compiled call: round ``k`` with ``peers[k]`` as ``spec``
     (``gradcoll.transport.plan``: its tag, bounds and flags; this fills the link and the seqs) says: send
     ``flat[c:d]`` and add the peer's frame into ``flat[a:b]``, or copy it there (``COPY``); ``DIVIDE`` divides
@@ -107,27 +120,25 @@ def exchange_plan(t: Any, io: ModuleType, peers: tuple[int, ...], flat: np.ndarr
     n = len(peers)
     if n < 1 or flat.nbytes > fast.SMALL_BYTES or len(spec) != FIELDS * n:
         return 0
-    ls = t.__dict__.setdefault("_plans", {}).get(peers)
+    key = peers if sources is None or sources == peers else (peers, sources)
+    ls = t.__dict__.setdefault("_plans", {}).get(key)
     if ls is None:
-        ls = t._plans[peers] = _Links(t, peers)
+        if sources is not None and len(sources) != n:
+            return 0
+        ls = t._plans[key] = _Links(t, peers, peers if sources is None else sources)
     if ls.secure:
         return 0
     tags = spec[TAG::FIELDS]
     if min(tags) < 0 or max(tags) > fr.MAX_TAG:
         for tag in tags:
             fr.check_tag(tag)
-    links, off = ls.links, ls.off
     with t._mu:
         if t._driving or t._queued() or t._woken is not None or t.closed:
             return 0
         for link in ls.uniq:
             if link.stash or link.failure is not None:
                 return 0
-        for k in range(n):
-            link, i = links[k], FIELDS * k
-            spec[i + FD], spec[i + SSEQ], spec[i + RSEQ] = link.fd, link.send_seq + off[k], link.recv_seq + off[k]
-        for link, _, _, count in ls.ends:
-            link.send_seq += count
+        ls.start(t, spec)
         t._driving, t._stepping = True, tuple(ls.uniq)
     limit = t._timeout(timeout)
     started = time.monotonic()
@@ -142,7 +153,7 @@ def exchange_plan(t: Any, io: ModuleType, peers: tuple[int, ...], flat: np.ndarr
         ls.release(t, spec, 0, False)
         return 0
     if bad is not None:
-        found.append((spec[A if bad[2] else C] + bad[0], bad[1]))
+        found.append((bad[0], bad[1]))
     if out != io.STOPPED:
         ls.release(t, spec, n, False)
         return n
@@ -151,8 +162,8 @@ def exchange_plan(t: Any, io: ModuleType, peers: tuple[int, ...], flat: np.ndarr
     i = FIELDS * k
     a, b, c, d, flags = spec[i + A], spec[i + B], spec[i + C], spec[i + D], spec[i + FLAGS]
     copy = bool(flags & COPY)
-    ops = _adopt(t, links[k], flat[c:d], flat[a:b] if copy else tmp[: b - a], spec[i + TAG], spec[i + SSEQ],
-                 spec[i + RSEQ], sent, got, serr, rerr, eof, hdr)
+    ops = _adopt(t, ls.links[k], flat[c:d], flat[a:b] if copy else tmp[: b - a], spec[i + TAG], spec[i + SSEQ],
+                 spec[i + RSEQ], sent, got, serr, rerr, eof, hdr, ls.rlinks[k])
     t._wait(ops, None if limit is None else max(0.0, limit - (time.monotonic() - started)))
     if not copy:  # (not finite: marked, as the round marks it)
         io.reduce_rest(flat[a:b], tmp[: b - a], red, divisor if flags & DIVIDE else 1.0, fin, check)

@@ -165,7 +165,7 @@ def test_auto_selection_by_size_and_world() -> None:
     # Thresholds come from the fitted cost model; tests/model/test_costmodel.py checks them against costmodel.crossovers.
     assert select_allreduce(4 << 10, 2) == "recursive_doubling" and select_allreduce(64 << 20, 2) == "ring"
     assert select_allreduce(64, 6) == "star" and select_allreduce(64 << 20, 6) == "ring"
-    assert select_allreduce(256 << 10, 8) == "recursive_doubling" and select_allreduce(64, 8) == "star"
+    assert select_allreduce(64 << 10, 8) == "recursive_doubling" and select_allreduce(64, 8) == "star"
     assert select_allreduce(64 << 10, 32) == "recursive_doubling"
     assert select_allreduce(64 << 20, 32) in ("ring", "halving_doubling")  # the ring's bytes, fewer rounds
     assert select_allreduce(64, 1) in ALLREDUCE

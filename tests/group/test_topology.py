@@ -166,7 +166,17 @@ def test_parent_and_child_run_at_the_same_time_from_two_threads() -> None:
 
 # -- over processes: the layout, the trace and the two-level allreduce -------------------------------------------
 def _two_hosts(store: Any, rank: int, size: int, trace_dir: str) -> Any:
+    from gradcoll.transport import tcp, tcp_rounds
+
     os.environ[HOST_VAR] = "hostA" if rank < size // 2 else "hostB"
+    rounds: list[int] = []  # what each compiled call of rounds did (the leaders' step between the hosts)
+    real = tcp_rounds.exchange_plan
+
+    def spy(*a: Any, **k: Any) -> int:
+        rounds.append(int(real(*a, **k)))
+        return rounds[-1]
+
+    tcp_rounds.exchange_plan = spy  # type: ignore[assignment]
     g = init_process_group("tcp", store=store, rank=rank, world_size=size, timeout=20, stall_warning_s=None,
                            trace=os.path.join(trace_dir, "run.json"))
     out: dict[str, Any] = {"hosts": g.hosts, "host_ranks": g.host_ranks, "stats_hosts": g.stats().hosts}
@@ -183,6 +193,15 @@ def _two_hosts(store: Any, rank: int, size: int, trace_dir: str) -> Any:
     out["host_group"] = (host.size, host.transport.name, float(z[0]), host.hosts)
     host.close()
     out["ops"] = [r.algorithm for r in g.stats().recent if r.op == "allreduce"]
+    out["rounds"] = list(rounds)
+    bad = np.ones(5000, np.float32)
+    if rank == 3:
+        bad[4444] = np.inf
+    try:
+        g.allreduce(bad, algorithm="two_level")
+    except NonFiniteError as exc:
+        out["bad"] = (exc.contributor, exc.index)
+    out["compiled"] = tcp._IO is not None
     g.close()
     return out
 
@@ -197,6 +216,9 @@ def test_two_hosts_of_two_ranks_over_tcp(tmp_path: Any) -> None:
         assert out["routed"] == "tcp+shm"
         assert out["host_group"] == (2, "shm", 2.0, ("hostA",) * 2 if r < 2 else ("hostB",) * 2)
         assert out["ops"] == ["two_level", "two_level"]
+        assert out["bad"] == (3, 4444)
+        if out["compiled"]:  # the leaders' step ran its rounds in one compiled call (1: recursive doubling, 2: ring)
+            assert (out["rounds"] and set(out["rounds"]) <= {1, 2}) if r in (0, 2) else out["rounds"] == [], out
     doc = json.loads((tmp_path / "run.rank2.json").read_text())
     assert doc["otherData"]["gradcoll"]["hosts"] == list(layout)
     assert any(e.get("args", {}).get("name") == "rank 2 @ hostB" for e in doc["traceEvents"])

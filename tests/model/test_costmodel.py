@@ -250,6 +250,24 @@ def test_a_transports_piece_sizes_the_cache_term_of_its_recursive_doubling_round
     # 4 copies of a 16 MiB message miss a 512 KiB cache almost entirely; of a 256 KiB piece, half of the time
     miss_whole, miss_piece = 1 - (512 << 10) / (4 * s), 1 - (512 << 10) / (4 * (256 << 10))
     saved = predict("recursive_doubling", 2, s, whole, node=node) - predict("recursive_doubling", 2, s, piece, node=node)
-    assert saved == pytest.approx(1e-10 * 3 * s * (miss_whole - miss_piece))  # reduced S + copied 2 S
-    for algo, n in (("ring", 2), ("star", 4), ("recursive_doubling", 3)):  # no step there: the whole message
+    # reduced S + copied 2 S, and its message's alpha (a compiled call costs call_s, here 0)
+    assert saved == pytest.approx(1e-5 + 1e-10 * 3 * s * (miss_whole - miss_piece))
+    for algo, n in (("star", 4), ("recursive_doubling", 3)):  # no step there: the whole message
         assert predict(algo, n, s, piece, node=Node(n, 2)) == predict(algo, n, s, whole, node=Node(n, 2))
+    # The ring's rounds run compiled in a group of any size: its 8 MiB steps count the piece, and its two
+    # messages' alphas are the call's call_s
+    miss_step = 1 - (512 << 10) / (4 * s / 2)
+    saved = predict("ring", 2, s, whole, node=node) - predict("ring", 2, s, piece, node=node)
+    assert saved == pytest.approx(2e-5 + 1e-10 * (s / 2 + 2 * s) * (miss_step - miss_piece))  # reduced S/2 + copied 2 S
+    assert predict("ring", 3, s, piece, node=Node(3, 2)) < predict("ring", 3, s, whole, node=Node(3, 2))
+
+
+def test_a_compiled_call_costs_call_s_once_where_messages_cost_alpha_each() -> None:
+    base = AlphaBeta(alpha_s=2e-5, beta_s_per_byte=0.0, gamma_s_per_byte=1e-10, piece_bytes=1 << 20, round_s=1e-6)
+    called = AlphaBeta(**{**base.__dict__, "call_s": 7e-6})
+    for algo, n in (("recursive_doubling", 4), ("halving_doubling", 4), ("ring", 3)):  # compiled: one call each
+        assert predict(algo, n, 1 << 16, called) - predict(algo, n, 1 << 16, base) == pytest.approx(7e-6)
+    for algo, n in (("star", 4), ("recursive_doubling", 3)):  # through the queues: alpha per message, no call
+        assert predict(algo, n, 1 << 16, called) == predict(algo, n, 1 << 16, base)
+    assert predict("star", 4, 1 << 16, base) - predict("star", 4, 1 << 16, AlphaBeta(**{**base.__dict__, "alpha_s": 0.0})) \
+        == pytest.approx(2 * 2e-5)  # the star's two messages on the critical path

@@ -17,7 +17,7 @@ import numpy as np
 import pytest
 
 from gradcoll.algorithms import tags
-from gradcoll.errors import CollectiveTimeout
+from gradcoll.errors import CollectiveTimeout, TransportBroken
 from gradcoll.transport import frame as fr
 from gradcoll.transport import plan, tcp, tcp_fast
 from gradcoll.transport.frame import FrameMismatch
@@ -253,3 +253,77 @@ def test_a_plan_whose_round_sends_part_of_what_it_receives_into_is_refused(one, 
                         1.0, False, [], [0])
     t.send(1, b"abc", tag=7)  # nothing was sent and the seqs are where they were
     assert _read(peer, 27) == fr.pack_header(0, 7, 3) + b"abc"
+
+
+# -- a ring's plan: every round sends to one neighbour (peer 1) and receives from the other (peer 2) --------------
+RING = tags.DESCRIPTOR_FIRST + tags.RING
+
+
+def _ring(t: Any, flat: np.ndarray, m: int, timeout: float = 5.0, at: list[int] | None = None) -> int:
+    """Two ring rounds on rank 0: send [0, m) right and add the left's frame into [m, 2m) (a mean of 2), then send
+    that sum right and copy the left's next frame into [0, m)."""
+    spec = plan.make([(RING, m, 2 * m, 0, m, plan.DIVIDE), (RING, 0, m, m, 2 * m, plan.COPY)])
+    return int(t.exchange_plan((1, 1), flat, np.empty(m, flat.dtype), spec, timeout, 2.0, True, [],
+                               [0] if at is None else at, (2, 2)))
+
+
+def test_a_ring_plan_sends_on_one_link_and_receives_on_the_other(two) -> None:
+    t, peers = two
+    m = 3000
+    x = np.arange(2 * m, dtype=np.float32) * np.float32(0.25)
+    left_part, left_sum = np.full(m, 7.0, np.float32), np.linspace(-1, 1, m).astype(np.float32)
+    peers[2].sendall(_frame(0, left_part, RING) + _frame(1, left_sum, RING))
+    got: list[bytes] = []
+    th = threading.Thread(target=lambda: got.append(_read(peers[1], 2 * (24 + 4 * m))))
+    th.start()
+    flat = x.copy()
+    assert _ring(t, flat, m) == 2
+    th.join(10)
+    mine = (x[m:] + left_part) / np.float32(2)
+    assert flat[m:].tobytes() == mine.tobytes() and flat[:m].tobytes() == left_sum.tobytes()
+    assert got == [_frame(0, x[:m], RING) + _frame(1, mine, RING)]  # both rounds' frames went right, seqs 0 and 1
+    t.send(1, b"abc", tag=7)  # the right link sent two frames, the left none
+    assert _read(peers[1], 27) == fr.pack_header(2, 7, 3) + b"abc"
+    t.send(2, b"abc", tag=7)
+    assert _read(peers[2], 27) == fr.pack_header(0, 7, 3) + b"abc"
+    peers[2].sendall(fr.pack_header(2, 7, 3) + b"xyz")  # the left link received two: seq 2 is next
+    buf = bytearray(3)
+    t.recv(2, buf, tag=7)
+    assert buf == b"xyz"
+
+
+def test_a_ring_plan_stopped_on_its_receive_link_is_finished_by_the_engine(two) -> None:
+    t, peers = two
+    m = 8
+    flat = np.ones(2 * m, np.float32)
+    result: list[Any] = []
+    th = threading.Thread(target=lambda: result.append(_ring(t, flat, m)))
+    th.start()
+    assert _read(peers[1], 24 + 4 * m) == _frame(0, np.ones(m, np.float32), RING)  # round 0 sent, waits for the left
+    req = t.isend(2, b"user", tag=9)  # another thread's send on the receive link: the plan hands over
+    assert req.wait(5) == 4
+    assert _read(peers[2], 28) == fr.pack_header(0, 9, 4) + b"user"
+    peers[2].sendall(_frame(0, np.full(m, 3.0, np.float32), RING))
+    th.join(10)
+    assert result == [1] and (flat[m:] == 2.0).all() and (flat[:m] == 1.0).all()  # the caller runs round 1
+    t.send(1, b"abc", tag=7)  # round 1 never started: the right link's seq 1 is free
+    assert _read(peers[1], 27) == fr.pack_header(1, 7, 3) + b"abc"
+
+
+def test_a_silent_left_neighbour_times_out_naming_it_while_the_right_got_its_frame(two) -> None:
+    t, peers = two
+    m = 4
+    at = [0]
+    with pytest.raises(CollectiveTimeout, match="peer 2"):
+        _ring(t, np.ones(2 * m, np.float32), m, timeout=0.3, at=at)
+    assert at == [0]
+    assert _read(peers[1], 24 + 4 * m) == _frame(0, np.ones(m, np.float32), RING)
+
+
+def test_a_left_neighbour_whose_stream_ends_breaks_the_round_naming_it(two) -> None:
+    t, peers = two
+    peers[2].shutdown(socket.SHUT_WR)  # the end of its stream, no frame and no goodbye: a dead process
+    with pytest.raises(TransportBroken, match="peer 2 dropped the connection") as info:
+        _ring(t, np.ones(8, np.float32), 4)
+    assert info.value.peer == 2
+    assert _read(peers[1], 24 + 16) == _frame(0, np.ones(4, np.float32), RING)
