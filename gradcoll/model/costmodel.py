@@ -101,7 +101,6 @@ from ..errors import UsageError
 from .work import ALGORITHMS, DIRECT_MODES, L2_COPIES, Work, halving_out_of_l2, out_of_l2, terms, work
 
 __all__ = ["AlphaBeta", "Node", "Work", "ALGORITHMS", "DIRECT_MODES", "PARAMETERS", "terms", "work", "predict", "best",
-           "candidates",
            "fit", "crossovers", "busbw", "link_model", "stored_models", "FITTED_PATH", "EARLIER_TIME_KEYS", "out_of_l2",
            "L2_COPIES"]
 
@@ -238,18 +237,10 @@ def busbw(nbytes: float, n: int, seconds: float) -> float:
     return nbytes / seconds * (2 * (n - 1) / n if n > 1 else 1.0)
 
 
-def candidates(model: AlphaBeta, n: int, algorithms: Sequence[str] = ALGORITHMS) -> Sequence[str]:
-    """``algorithms`` less the ring on 2 ranks where the transport runs the rounds compiled (``piece_bytes``):
-    there the ring's two rounds are halving-doubling's, in the same one call, and the closed forms tie them."""
-    if model.piece_bytes > 0 and n == 2 and "halving_doubling" in algorithms:
-        return tuple(a for a in algorithms if a != "ring")
-    return algorithms
-
-
 def best(n: int, nbytes: float, model: AlphaBeta, algorithms: Sequence[str] = ALGORITHMS, *,
          node: Node | None = None) -> str:
-    """The algorithm with the lowest predicted time (first listed wins ties) of the ``candidates``."""
-    return min(candidates(model, n, algorithms), key=lambda a: predict(a, n, nbytes, model, node=node))
+    """The algorithm with the lowest predicted time (first listed wins ties)."""
+    return min(algorithms, key=lambda a: predict(a, n, nbytes, model, node=node))
 
 
 def _row_node(row: Mapping[str, Any]) -> Node | None:

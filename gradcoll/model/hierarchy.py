@@ -64,13 +64,16 @@ def node_split(layout: Sequence[int], node: Node | None) -> tuple[Node | None, N
     """The nodes of the two-level steps when every rank of ``layout`` shares ``node``'s cores (one machine).
 
     Inside the hosts, the ``H`` hosts' steps run at once, so each host's ``L``
-    ranks get ``L / n`` of the cores; between the hosts, the ``H`` leaders share
-    them all. ``None`` (a core per rank) stays None.
+    ranks get ``L / n`` of the cores. Between the hosts, the ``H`` leaders get
+    ``H / n`` of them too: the other ranks, waiting for the result, keep
+    polling their links (measured on 2 "hosts" x 2 ranks on 2 cores, the
+    leaders' exchange of 64 KiB took 255-427 us against 30 us for 2 ranks
+    alone). ``None`` (a core per rank) stays None.
     """
     if node is None:
         return None, None
     n = sum(layout)
-    return Node(max(layout), node.cores * max(layout) / n), Node(len(layout), node.cores)
+    return Node(max(layout), node.cores * max(layout) / n), Node(len(layout), node.cores * len(layout) / n)
 
 
 def step_times(layout: Sequence[int], nbytes: float, local: AlphaBeta, net: AlphaBeta, *,
