@@ -35,7 +35,9 @@ lowest mean error over all their rows. Each row says the node it ran on
 (``cores``: all ranks on one host of that many cores), which is how the model
 knows that 4 ranks on 2 cores share them. ``--min-size`` (default 64K) is
 the smallest size the error target (25%) applies to and the fit uses.
-``--run`` starts each rank with ``NUMBA_NUM_THREADS`` = cores / ranks (at
+``--run`` times the four algorithms taking turns in one launch per
+transport and world size (``gradcoll bench --algorithm ring,star,...``),
+and starts each rank with ``NUMBA_NUM_THREADS`` = cores / ranks (at
 least 1), so that a rank's threaded reduction kernel does not take the cores
 of the other ranks (the model gives each rank its share of the node), and
 ``--iters`` iterations per size (errors are on the median iteration,
@@ -76,8 +78,13 @@ def measure(out_dir: str, ranks: list[int], transports: list[str], lo: str, hi: 
             warmup: int = 3, repeat: int = 1) -> list[str]:
     """Run ``gradcoll bench`` for every world size, transport and algorithm; the JSON files written.
 
+    The algorithms take turns in one launch per world size and transport
+    (``gradcoll bench --algorithm ring,star,...``): separate launches differ
+    by up to a third where ranks outnumber cores, and their rows put the
+    crossovers where the same processes do not. The direct allreduce's two
+    schedules (shm) take a launch each, forced by the environment.
     With ``repeat`` > 1 every bench runs that many times (interleaved: all
-    algorithms once, then again) and each row keeps the median over the runs
+    launches once, then again) and each row keeps the median over the runs
     of ``iter_median_us_avg_over_ranks`` and ``iter_mean_us_avg_over_ranks``, with
     the runs' medians in ``runs_iter_median_us_avg_over_ranks``: 4 ranks on 2 cores differ from one run to the next
     by up to a third at 64 KiB-2 MiB, whatever the iterations per run.
@@ -90,23 +97,28 @@ def measure(out_dir: str, ranks: list[int], transports: list[str], lo: str, hi: 
         threads = max(1, cores // n)
         env = dict(os.environ, NUMBA_NUM_THREADS=str(threads))
         for be in transports:
-            # (row label, --algorithm, environment): on shm, also the direct allreduce's two schedules, each forced
-            jobs = [(algo, algo, {}) for algo in ALGORITHMS]
+            # (row labels, --algorithm, environment): the algorithms taking turns in one launch; on shm, also the
+            # direct allreduce's two schedules, each forced
+            jobs = [(list(ALGORITHMS), ",".join(ALGORITHMS), {})]
             if be == "shm":
-                jobs += [(m, "direct", {"GRADCOLL_DIRECT_MODE": m[len("direct_"):].replace("_", "-")})
+                jobs += [([m], "direct", {"GRADCOLL_DIRECT_MODE": m[len("direct_"):].replace("_", "-")})
                          for m in DIRECT_MODES]
-            runs: dict[str, list[list[dict[str, Any]]]] = {label: [] for label, _, _ in jobs}
+            runs: dict[str, list[list[dict[str, Any]]]] = {label: [] for labels, _, _ in jobs for label in labels}
             for _ in range(repeat):
-                for label, algo, extra in jobs:
-                    path = os.path.join(out_dir, f"{be}_{label}_{n}.json")
+                for labels, algo, extra in jobs:
+                    path = os.path.join(out_dir, f"{be}_{labels[0] if len(labels) == 1 else 'turns'}_{n}.json")
                     subprocess.run(env=dict(env, **extra), check=True, stdout=subprocess.DEVNULL, args=[
                         sys.executable, "-m", "gradcoll", "bench", "-n", str(n), "--backend", be, "--algorithm", algo,
                         "--min-size", lo, "--max-size", hi, "--iters", str(iters), "--warmup", str(warmup),
                         "--json", path])
                     got = load_rows(path)
-                    for r in got:
-                        r["algorithm"] = label  # "direct" ran, in the schedule named by the label
-                    runs[label].append(got)
+                    if len(labels) == 1:
+                        for r in got:
+                            r["algorithm"] = labels[0]  # "direct" ran, in the schedule named by the label
+                    else:
+                        os.remove(path)  # (split by algorithm below)
+                    for label in labels:
+                        runs[label].append([r for r in got if r["algorithm_requested"] == label])
             for algo, got in runs.items():
                 rows = []
                 for same in zip(*got, strict=True):

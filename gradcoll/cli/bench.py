@@ -18,6 +18,12 @@ brackets):
 * `algorithm` (`algo`): the allreduce algorithm that ran, as the group
   recorded it (with `--algorithm auto`, the one `auto` picked for this
   size); `algorithm_requested`: the `--algorithm` given.
+
+`--algorithm` takes several algorithms, comma-separated (`ring,halving_doubling`):
+they then take turns in the same processes, size by size, in 5 blocks of
+calls each after a barrier, one row per algorithm and size. Separate
+launches differ by up to a third on a machine with more ranks than cores
+(where the kernel places them); turns in one launch compare like with like.
 * `mode` (`plain`, `deterministic`, `bf16 wire`, `fp16 wire`), `transport`
   (`transport`), `ranks`, `iters`.
 * `iter_mean_us_avg_over_ranks`, `iter_mean_us_min_over_ranks`,
@@ -82,6 +88,20 @@ def _expected(rank_values: np.ndarray, world: int) -> np.ndarray:
     return expected
 
 
+def _algorithms_arg(text: str) -> list[str]:
+    """``--algorithm``: one algorithm, or several comma-separated (they take turns), each ``auto`` or a known one."""
+    names = [t.strip() for t in text.split(",")]
+    bad = [t for t in names if t not in ("auto", *ALLREDUCE)]
+    if bad or len(set(names)) != len(names):
+        raise argparse.ArgumentTypeError(f"{text!r}: give one or more of auto, {', '.join(ALLREDUCE)}, comma-separated, "
+                                         "each once")
+    return names
+
+
+#: Blocks of calls per size when several algorithms take turns.
+TURNS = 5
+
+
 def _ran(group: ProcessGroup) -> str:
     """The allreduce algorithm of the group's last collective, from its records ("deterministic ring" -> "ring")."""
     from ..errors import GradcollError
@@ -99,13 +119,13 @@ def worker_main(argv: Sequence[str] | None = None) -> int:
 
     ap = argparse.ArgumentParser()
     ap.add_argument("--sizes", nargs=2, type=parse_size, default=[4 << 10, 64 << 20])
-    ap.add_argument("--algorithm", default="auto")
+    ap.add_argument("--algorithm", type=_algorithms_arg, default=["auto"])
     ap.add_argument("--iters", type=int, default=20)
     ap.add_argument("--warmup", type=int, default=3)
     ap.add_argument("--deterministic", action="store_true")
     ap.add_argument("--wire-dtype", default=None)
     a = ap.parse_args(argv)
-    kw: dict[str, Any] = {"algorithm": a.algorithm}
+    kw: dict[str, Any] = {}
     if a.deterministic:
         kw["deterministic"] = True
     if a.wire_dtype:
@@ -113,42 +133,59 @@ def worker_main(argv: Sequence[str] | None = None) -> int:
     group = init_process_group(os.environ.get("GRADCOLL_BACKEND", "tcp"), "env://", timeout=120.0)
     rank, world = group.rank, group.size
     transport = getattr(getattr(group, "transport", None), "name", "?")
+    algos: list[str] = a.algorithm
+    blocks = [a.iters] if len(algos) == 1 else [len(r) for r in np.array_split(np.arange(a.iters), TURNS) if len(r)]
     for nbytes in sizes_between(*a.sizes):
         count = nbytes // 4
         base = (np.arange(count) % 13).astype(np.float32)
-        buf = base * np.float32(rank + 1)
-        for _ in range(a.warmup):
-            group.allreduce(buf, op="mean", **kw)
-        group.barrier()
-        laps = np.empty(a.iters)
-        t1 = time.perf_counter()
-        for i in range(a.iters):
-            # Means of identical small-integer-derived values are exact: buf stays put.
-            group.allreduce(buf, op="mean", **kw)
-            t2 = time.perf_counter()
-            laps[i], t1 = t2 - t1, t2
-        algorithm = _ran(group)
-        wrong = int(np.count_nonzero(buf != _expected(base, world)))
-        stats = group.allgather(np.array([laps.mean(), np.median(laps), wrong], np.float64))
-        if rank == 0:
-            mean_us, median_us = stats[:, 0] * 1e6, stats[:, 1] * 1e6
-            algbw = nbytes / (mean_us.max() * 1e-6) / 1e9
-            row = {
-                "size": nbytes, "count": count, "dtype": "float32",
-                "algorithm": algorithm, "algorithm_requested": a.algorithm,
-                "mode": "deterministic" if a.deterministic else f"{a.wire_dtype} wire" if a.wire_dtype else "plain",
-                "transport": transport, "ranks": world, "iters": a.iters,
-                "iter_mean_us_avg_over_ranks": float(mean_us.mean()),
-                "iter_mean_us_min_over_ranks": float(mean_us.min()),
-                "iter_mean_us_max_over_ranks": float(mean_us.max()),
-                "iter_median_us_avg_over_ranks": float(median_us.mean()),
-                "algbw_GBps": float(algbw),
-                "busbw_GBps": float(algbw * (2 * (world - 1) / world if world > 1 else 1.0)),
-                "wrong": int(stats[:, 2].sum()),
-            }
-            print(_TAG + json.dumps(row), flush=True)
+        bufs = {algo: base * np.float32(rank + 1) for algo in algos}
+        laps = {algo: np.empty(a.iters) for algo in algos}
+        ran = {}
+        for algo in algos:
+            for _ in range(a.warmup):
+                group.allreduce(bufs[algo], op="mean", algorithm=algo, **kw)
+        done = 0
+        for block in blocks:  # one algorithm's calls, then the next's, a block each (all of them, with one)
+            for algo in algos:
+                group.barrier()
+                buf, lap = bufs[algo], laps[algo]
+                t1 = time.perf_counter()
+                for i in range(done, done + block):
+                    # Means of identical small-integer-derived values are exact: buf stays put.
+                    group.allreduce(buf, op="mean", algorithm=algo, **kw)
+                    t2 = time.perf_counter()
+                    lap[i], t1 = t2 - t1, t2
+                ran[algo] = _ran(group)
+            done += block
+        for algo in algos:
+            _row(group, a, nbytes, count, ran[algo], algo, laps[algo],
+                 int(np.count_nonzero(bufs[algo] != _expected(base, world))), transport)
     group.close()
     return 0
+
+
+def _row(group: ProcessGroup, a: argparse.Namespace, nbytes: int, count: int, algorithm: str, requested: str,
+         laps: np.ndarray, wrong: int, transport: str) -> None:
+    """Gather every rank's statistics of ``laps``; rank 0 prints the row."""
+    world = group.size
+    stats = group.allgather(np.array([laps.mean(), np.median(laps), wrong], np.float64))
+    if group.rank == 0:
+        mean_us, median_us = stats[:, 0] * 1e6, stats[:, 1] * 1e6
+        algbw = nbytes / (mean_us.max() * 1e-6) / 1e9
+        row = {
+            "size": nbytes, "count": count, "dtype": "float32",
+            "algorithm": algorithm, "algorithm_requested": requested,
+            "mode": "deterministic" if a.deterministic else f"{a.wire_dtype} wire" if a.wire_dtype else "plain",
+            "transport": transport, "ranks": world, "iters": a.iters,
+            "iter_mean_us_avg_over_ranks": float(mean_us.mean()),
+            "iter_mean_us_min_over_ranks": float(mean_us.min()),
+            "iter_mean_us_max_over_ranks": float(mean_us.max()),
+            "iter_median_us_avg_over_ranks": float(median_us.mean()),
+            "algbw_GBps": float(algbw),
+            "busbw_GBps": float(algbw * (2 * (world - 1) / world if world > 1 else 1.0)),
+            "wrong": int(stats[:, 2].sum()),
+        }
+        print(_TAG + json.dumps(row), flush=True)
 
 
 class _Collector(io.TextIOBase):
@@ -204,8 +241,9 @@ def build_parser(sub: argparse._SubParsersAction[argparse.ArgumentParser] | None
                    "and print a table of times and bandwidths (nccl-tests style).", epilog)
     p.add_argument("-n", "--nprocs", type=positive_int, default=2, metavar="N", help="number of ranks")
     p.add_argument("--backend", default="shm", choices=["tcp", "shm"], help="transport between the ranks")
-    p.add_argument("--algorithm", default="auto", choices=["auto", *ALLREDUCE],
-                   help="allreduce algorithm; auto picks one per size from the fitted cost model")
+    p.add_argument("--algorithm", type=_algorithms_arg, default="auto", metavar="ALGO[,ALGO...]",
+                   help=f"allreduce algorithm: auto (one per size from the fitted cost model) or {', '.join(ALLREDUCE)}; "
+                        "several, comma-separated, take turns in the same processes")
     p.add_argument("--min-size", type=_size_arg, default="4K", metavar="SIZE", help="smallest buffer per rank: bytes, or with a K, M or G suffix")
     p.add_argument("--max-size", type=_size_arg, default="64M", metavar="SIZE", help="largest buffer per rank: bytes, or with a K, M or G suffix")
     p.add_argument("--iters", type=positive_int, default=20, metavar="N", help="timed allreduces per size")
@@ -239,14 +277,14 @@ def run_from_args(a: argparse.Namespace) -> int:
 
     sizes = sizes_between(a.min_size, a.max_size)
     mode = " deterministic" if a.deterministic else f" wire {a.wire_dtype}" if a.wire_dtype else ""
-    print(f"# gradcoll bench: {a.nprocs} ranks, backend {a.backend}, algorithm {a.algorithm}{mode}, "
+    print(f"# gradcoll bench: {a.nprocs} ranks, backend {a.backend}, algorithm {','.join(a.algorithm)}{mode}, "
           f"{a.iters} iters after {a.warmup} warm-up")
     print(f"# time: per allreduce, each rank's mean over the {a.iters} iters, then avg/min/max over the ranks; "
           "algbw = size / time max; busbw = algbw x 2(n-1)/n")
     print(HEADER)
-    col = _Collector(len(sizes), sys.stderr.isatty())
+    col = _Collector(len(sizes) * len(a.algorithm), sys.stderr.isatty())
     cmd = [sys.executable, "-m", "gradcoll.cli.bench", "--worker", "--sizes", str(a.min_size), str(a.max_size),
-           "--algorithm", a.algorithm, "--iters", str(a.iters), "--warmup", str(a.warmup)]
+           "--algorithm", ",".join(a.algorithm), "--iters", str(a.iters), "--warmup", str(a.warmup)]
     cmd += ["--deterministic"] if a.deterministic else []
     cmd += ["--wire-dtype", a.wire_dtype] if a.wire_dtype else []
     res = launch(cmd, a.nprocs, backend=a.backend, prefix=False, out=col, timeout=1800)

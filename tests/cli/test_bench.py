@@ -150,3 +150,17 @@ def test_load_rows_reads_files_written_under_the_old_names(tmp_path) -> None:
     current = [{"size": 4, "iter_median_us_avg_over_ranks": 1.0, "algorithm": "ring", "algorithm_requested": "auto"}]
     (tmp_path / "new.json").write_text(json.dumps(current))
     assert load_rows(str(tmp_path / "new.json")) == current
+
+
+def test_several_algorithms_take_turns_in_one_launch(tmp_path) -> None:
+    js = tmp_path / "turns.json"
+    r = subprocess.run([sys.executable, "-m", "gradcoll", "bench", "-n", "2", "--backend", "tcp", "--algorithm",
+                        "ring,recursive_doubling", "--min-size", "4K", "--max-size", "8K", "--iters", "7",
+                        "--warmup", "1", "--json", str(js)], capture_output=True, text=True, timeout=100)
+    assert r.returncode == 0, r.stdout + r.stderr
+    assert "algorithm ring,recursive_doubling" in r.stdout
+    rows = json.loads(js.read_text())
+    # a row per size and algorithm, in the order given; each ran what it asked for, right, all its iterations
+    assert [(x["size"], x["algorithm_requested"]) for x in rows] == [
+        (s, a) for s in SIZES for a in ("ring", "recursive_doubling")]
+    assert all(x["algorithm"] == x["algorithm_requested"] and x["wrong"] == 0 and x["iters"] == 7 for x in rows)

@@ -131,8 +131,10 @@ def test_launch_still_runs_a_script(marker_script) -> None:
 
 
 @pytest.mark.parametrize("args, needle", [
-    (["--algorithm", "bogus"], "argument --algorithm: invalid choice: 'bogus' (choose from "
-                               + ", ".join(repr(a) for a in ["auto", *ALLREDUCE]) + ")"),
+    (["--algorithm", "bogus"], "argument --algorithm: 'bogus': give one or more of "
+                               + ", ".join(["auto", *ALLREDUCE]) + ", comma-separated, each once"),
+    (["--algorithm", "ring,ring"], "argument --algorithm: 'ring,ring': give one or more of"),
+    (["--algorithm", "ring,bogus"], "argument --algorithm: 'ring,bogus': give one or more of"),
     (["-n", "0"], "argument -n/--nprocs: must be a positive integer, got '0'"),
     (["--min-size", "4X"], "argument --min-size: invalid size '4X': give bytes as 4096, 4K, 1M or 1G"),
     (["--max-size", "lots"], "argument --max-size: invalid size 'lots': give bytes as 4096, 4K, 1M or 1G"),
