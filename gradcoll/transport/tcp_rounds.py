@@ -8,10 +8,14 @@ hand-over. Here that is done once for all the rounds, and one ``nogil`` call
 runs them back to back: round ``k`` sends one part of the buffer to its
 partner and adds the partner's frame into another (or copies it there, in
 an allgather round), as the step does, and the next round starts as soon as
-it is done. A link may serve several rounds (a halving-doubling's
-reduce-scatter and allgather meet the same partners): its rounds take
-consecutive seqs. On 4 ranks at 4 KiB this took the calls' Python from 14.5
-to 12.3 us of CPU time per call (docs/performance.md, "Rounds in one call").
+it is done. A ring's ``2 (n - 1)`` steps run the same way, a round per
+segment, each sending to one neighbour and receiving from the other
+(``sources``: the round's receive link, where it is not its send link). A
+link may serve several rounds (a halving-doubling's reduce-scatter and
+allgather meet the same partners, a ring's neighbours every step): its
+sends take consecutive seqs, and so do its receives. On 4 ranks at 4 KiB
+this took the calls' Python from 14.5 to 12.3 us of CPU time per call
+(docs/performance.md, "Rounds in one call").
 
 It takes what the step takes (the sends staged where the step stages them),
 and declines before a byte moves where the step would decline on any of the
@@ -109,7 +113,8 @@ def exchange_plan(t: Any, io: ModuleType, peers: tuple[int, ...], flat: np.ndarr
     (``gradcoll.transport.plan``: its tag, bounds and flags; this fills the link and the seqs) says: send
     ``flat[c:d]`` and add the peer's frame into ``flat[a:b]``, or copy it there (``COPY``); ``DIVIDE`` divides
     the round's sum by ``divisor``. ``check``: the first round checks its arrays as ``exchange_reduce``'s
-    ``check_input`` does, and every sum is checked.
+    ``check_input`` does (and a later round with ``CHECK`` the part it adds into), and every sum is checked.
+    ``sources``: the peer each round receives from (None: ``peers``; a ring's left neighbour).
 
     Returns how many rounds are done: all of them, or fewer where a round stopped early (the engine then
     finished that round, as ``exchange_reduce`` does, and the caller runs the others), or 0 with nothing
