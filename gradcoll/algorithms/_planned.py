@@ -23,12 +23,17 @@ from typing import Any
 import numpy as np
 
 from ..transport.base import Transport
-from ..transport.plan import set_tags
+from ..transport.plan import FIELDS, TAG
+from . import tags
 from ._common import TRANSLATED, Coll, Options, Workspace, scratch
-from ._guard import ERRORS, fail, lean_frame
+from ._guard import ERRORS, LEAN_DTYPES, fail
+from ._handshake import descriptor
 from ._verdict import NONFINITE
 
-__all__ = ["Plan", "Schedule", "run_plan"]
+__all__ = ["PLANNED", "Plan", "Prepared", "Schedule", "lean_ok", "prepared", "register", "run_plan"]
+
+#: ``run_plan``'s ``rest``: runs the rounds from ``done`` on, in the ``Coll`` the guard would have built.
+Rest = Callable[[Coll, np.ndarray, Options, int], None]
 
 
 @dataclass(frozen=True)
@@ -59,49 +64,113 @@ class Schedule:
     tmp_name: str
 
 
-def run_plan(t: Transport, buf: np.ndarray, op: str, check: bool, seq: int, timeout: float | None,
-             ws: Workspace | None, rest: Callable[[Coll, np.ndarray, Options, int], None], sched: Schedule) -> bool:
-    """The allreduce of ``buf`` with every round of ``sched`` in one compiled call; False: declined, nothing moved
-    (the guard's path runs it). ``rest(coll, flat, opts, done)`` runs the rounds from ``done`` on."""
-    frame = lean_frame(t, buf, "exchange_plan", sched.algo, op, check, seq, timeout, sched.any_size)
-    if frame is None:
-        return False
-    flat, desc, tag0, limit, started = frame
-    run, n = t.exchange_plan, t.size  # type: ignore[attr-defined]
-    key = (sched.algo, flat.size, op == "mean", flat.itemsize)
-    cache: dict[Any, Plan] = t.__dict__.setdefault("_lean_plans", {})
+#: Each planned algorithm's schedule and the function that runs its rounds from ``done`` on (``run_plan``'s
+#: ``rest``), by ``Schedule.algo``: what the group's fast path prepares (``prepared``).
+PLANNED: dict[str, tuple[Schedule, Rest]] = {}
+
+#: How many prepared calls a transport keeps (sizes, dtypes, ops); more clears them.
+_KEEP = 64
+
+
+def register(sched: Schedule, rest: Rest) -> None:
+    """Add ``sched`` and its ``rest`` to ``PLANNED``."""
+    PLANNED[sched.algo] = (sched, rest)
+
+
+def lean_ok(t: Transport, buf: np.ndarray, any_size: bool) -> bool:
+    """Whether ``run_plan`` can take ``buf`` on ``t`` (``lean_frame``'s conditions)."""
+    n = t.size
+    return getattr(t, "exchange_plan", None) is not None and n >= 2 and (any_size or not n & (n - 1)) \
+        and buf.dtype in LEAN_DTYPES and buf.flags.c_contiguous and buf.flags.writeable
+
+
+class Prepared:
+    """``run_plan``'s call of one schedule on one element count, dtype, op and check, prepared once for repeated
+    calls: the plan, the descriptor but its seq, the rounds' tag slots, and the transport's prepared rounds
+    (``plan_runner``, tcp's) where it has them. A call then computes the descriptor tag, writes the tags, runs
+    the compiled call and reads the markers; anything but a clean finish goes on as ``run_plan`` always did.
+    Kept per transport (``prepared``); the group's fast path calls it directly."""
+
+    __slots__ = ("t", "sched", "rest", "got", "desc", "tail", "tag_at", "runner", "check", "op", "rounds", "tmpn")
+
+    def __init__(self, t: Transport, sched: Schedule, rest: Rest, count: int, dtype: np.dtype, op: str,
+                 check: bool) -> None:
+        self.t, self.sched, self.rest, self.op, self.check = t, sched, rest, op, check
+        got = self.got = sched.build(t.rank, t.size, count, op == "mean", dtype.itemsize)
+        self.desc = descriptor("allreduce", sched.algo, op, dtype, count, 0)[:-1]
+        self.tail = (check,) + tags.PLAIN
+        self.tag_at = tuple((FIELDS * k + TAG, p) for k, p in enumerate(got.phases))
+        self.rounds, self.tmpn = len(got.peers), max(got.tmp, 1)
+        make_runner = getattr(t, "plan_runner", None)
+        self.runner = None if make_runner is None else make_runner(got.peers, got.sources)
+        if count * dtype.itemsize > t.stray_limit:
+            t.stray_limit = count * dtype.itemsize  # as the guard does: frames of this call may arrive as strays
+
+    def __call__(self, seq: int, buf: np.ndarray, limit: float, ws: Workspace | None) -> bool:
+        """The allreduce of ``buf`` (of the prepared count and dtype) as collective ``seq``; False: declined,
+        nothing moved (the guard's path runs it)."""
+        t, got, check = self.t, self.got, self.check
+        flat = buf if buf.ndim == 1 else buf.reshape(-1)
+        desc = self.desc + (seq,)
+        tag0 = tags.descriptor_tag(desc + self.tail)
+        spec = got.spec
+        for i, p in self.tag_at:
+            spec[i] = tag0 + p
+        tmp = scratch(ws, self.sched.tmp_name, self.tmpn, flat.dtype)
+        found: list[tuple[int, float]] = []
+        at = [0]
+        started = time.monotonic()
+        t0 = time.perf_counter()
+        try:
+            if self.runner is not None:
+                done = self.runner(flat, tmp, spec, limit, t.size, check, found, at)
+            else:
+                done = int(t.exchange_plan(got.peers, flat, tmp, spec, limit, t.size, check,  # type: ignore[attr-defined]
+                                           found, at, got.sources))
+        except ERRORS as exc:
+            failed = _coll(t, self.sched.name, flat, seq, limit, started, desc, tag0, self.rounds, at[0], found)
+            peer = getattr(exc, "peer", None)  # (the engine's errors name the link's peer)
+            if type(peer) is not int:
+                peer = got.peers[min(at[0], self.rounds - 1)]
+            fail(failed, failed.translate(exc, peer) if isinstance(exc, TRANSLATED) else exc)
+        finally:
+            t.note_wait(time.perf_counter() - t0)  # as Coll.sendrecv counts it (ProcessGroup.stats() "wait time")
+        if done == 0:
+            return False
+        coll = None
+        if found or done < self.rounds:
+            coll = _coll(t, self.sched.name, flat, seq, limit, started, desc, tag0, self.rounds, done, found)
+            if done < self.rounds:
+                try:
+                    self.rest(coll, flat, Options(self.op, check, seq, limit, ws, None), done)
+                except ERRORS as exc:
+                    fail(coll, exc)
+        if check and flat.size:
+            _markers(t, self.sched.name, flat, got.bounds, coll, seq, limit, started, desc, tag0, self.rounds, found)
+        return True
+
+
+def prepared(t: Transport, sched: Schedule, rest: Rest, count: int, dtype: np.dtype, op: str,
+             check: bool) -> Prepared:
+    """The transport's ``Prepared`` call of ``sched`` on ``count`` elements of ``dtype`` (kept per transport)."""
+    key = (sched.algo, count, dtype, op, check)
+    cache: dict[Any, Prepared] = t.__dict__.setdefault("_lean_plans", {})
     got = cache.get(key)
     if got is None:
-        got = cache[key] = sched.build(t.rank, n, flat.size, op == "mean", flat.itemsize)
-    rounds = len(got.peers)
-    tmp = scratch(ws, sched.tmp_name, max(got.tmp, 1), flat.dtype)
-    found: list[tuple[int, float]] = []
-    at = [0]
-    t0 = time.perf_counter()
-    try:
-        set_tags(got.spec, [tag0 + p for p in got.phases])
-        done = int(run(got.peers, flat, tmp, got.spec, max(0.0, started + limit - time.monotonic()), n, check, found,
-                       at, got.sources))
-    except ERRORS as exc:
-        failed = _coll(t, sched.name, flat, seq, limit, started, desc, tag0, rounds, at[0], found)
-        peer = getattr(exc, "peer", None)  # (the engine's errors name the link's peer)
-        if type(peer) is not int:
-            peer = got.peers[min(at[0], rounds - 1)]
-        fail(failed, failed.translate(exc, peer) if isinstance(exc, TRANSLATED) else exc)
-    finally:
-        t.note_wait(time.perf_counter() - t0)  # as Coll.sendrecv counts it (ProcessGroup.stats() "wait time")
-    if done == 0:
+        if len(cache) >= _KEEP:
+            cache.clear()
+        got = cache[key] = Prepared(t, sched, rest, count, dtype, op, check)
+    return got
+
+
+def run_plan(t: Transport, buf: np.ndarray, op: str, check: bool, seq: int, timeout: float | None,
+             ws: Workspace | None, rest: Rest, sched: Schedule) -> bool:
+    """The allreduce of ``buf`` with every round of ``sched`` in one compiled call; False: declined, nothing moved
+    (the guard's path runs it). ``rest(coll, flat, opts, done)`` runs the rounds from ``done`` on."""
+    if not lean_ok(t, buf, sched.any_size):
         return False
-    coll = _coll(t, sched.name, flat, seq, limit, started, desc, tag0, rounds, done, found) \
-        if found or done < rounds else None
-    if coll is not None and done < rounds:
-        try:
-            rest(coll, flat, Options(op, check, seq, limit, ws, None), done)
-        except ERRORS as exc:
-            fail(coll, exc)
-    if check and flat.size:
-        _markers(t, sched.name, flat, got.bounds, coll, seq, limit, started, desc, tag0, rounds, found)
-    return True
+    run = prepared(t, sched, rest, buf.size, buf.dtype, op, bool(check))
+    return run(seq, buf, t.timeout if timeout is None else timeout, ws)
 
 
 def _markers(t: Transport, name: str, flat: np.ndarray, bounds: Sequence[int], coll: Coll | None, seq: int,

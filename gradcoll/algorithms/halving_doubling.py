@@ -52,7 +52,8 @@ from . import tags
 from ._common import Coll, Options, Workspace, chunk_bounds, combiner, plant, scratch
 from ._guard import LEAN_DTYPES, guarded_allreduce
 from ._handshake import local_status
-from ._hd_planned import NAME, hd_schedule, plan_arrays, planned
+from ._hd_planned import NAME, SCHEDULE, hd_schedule, plan_arrays, planned
+from ._planned import register
 from ._verdict import NONFINITE
 
 __all__ = ["halving_doubling_allreduce", "hd_pass", "hd_schedule"]
@@ -97,6 +98,9 @@ _NAME = NAME
 def _rest(coll: Coll, flat: np.ndarray, opts: Options, done: int) -> None:
     """The rounds of ``_hd_planned``'s call from ``done`` on, through the compiled step."""
     hd_pass(coll, flat, opts, stepped=True, done=done)
+
+
+register(SCHEDULE, _rest)
 
 
 def hd_pass(coll: Coll, flat: np.ndarray, opts: Options, divisor: int | None = None, *, stepped: bool = False,

@@ -36,7 +36,9 @@ finite check), or every round in one call where the transport has that
 guard reduced to what the happy path needs. The error path is the guard's: on any failure it builds the
 collective's ``Coll`` as the guard would have and calls ``fail``. A rank
 whose input is not finite, or whose transport declines the first round,
-runs the guard's general path instead (its frames are the same).
+runs the guard's general path instead (its frames are the same). The
+group's fast path runs the same rounds as a plan (``rd_plan``, ``SCHEDULE``:
+``_planned.Prepared``), with the same frames.
 """
 
 from __future__ import annotations
@@ -52,7 +54,7 @@ from ..transport.plan import DIVIDE, make
 from . import tags
 from ._common import TRANSLATED, Coll, Options, Workspace, combiner, scratch
 from ._guard import ERRORS, fail, guarded_allreduce, lean_frame
-from ._planned import Plan
+from ._planned import Plan, Schedule, register
 from ._planned import _coll as planned_coll
 
 __all__ = ["recursive_doubling_allreduce", "butterfly", "rd_pass"]
@@ -137,6 +139,20 @@ def rd_plan(rank: int, n: int, count: int, mean: bool) -> Plan:
     return Plan([0, count], tuple(rank ^ (1 << k) for k in range(rounds)), None,
                 make((0, 0, count, 0, count, DIVIDE if mean and k == rounds - 1 else 0) for k in range(rounds)),
                 (tags.RD_ROUND,) * rounds, count)
+
+
+def _build(rank: int, n: int, count: int, mean: bool, itemsize: int) -> Plan:
+    return rd_plan(rank, n, count, mean)
+
+
+def _rest(coll: Coll, flat: np.ndarray, opts: Options, done: int) -> None:
+    """The rounds of ``rd_plan``'s call from ``done`` on (the group's fast path runs the plan; see ``_planned``)."""
+    rd_pass(coll, flat, opts, done=done)
+
+
+#: Recursive doubling as one plan (``rd_plan``), for the group's fast path (``_planned.Prepared``).
+SCHEDULE = Schedule("recursive-doubling allreduce", "recursive_doubling", False, _build, "rd")
+register(SCHEDULE, _rest)
 
 
 _NAME = "recursive-doubling allreduce"

@@ -31,7 +31,7 @@ from . import tags
 from ._common import Coll, Options, Workspace, chunk_bounds, combiner, scratch
 from ._guard import LEAN_DTYPES, guarded_allreduce
 from ._handshake import local_status
-from ._planned import Plan, Schedule, run_plan
+from ._planned import Plan, Schedule, register, run_plan
 
 __all__ = ["ring_allreduce", "ring_pass", "ring_plan", "SEGMENT_BYTES"]
 
@@ -108,6 +108,9 @@ def _rest(coll: Coll, flat: np.ndarray, opts: Options, done: int) -> None:
                 coll.status = (status[0], a + status[1], status[2])
                 break
     ring_pass(coll, flat, opts, allgather=True, shift=0, done=done)
+
+
+register(SCHEDULE, _rest)
 
 
 def ring_pass(coll: Coll, flat: np.ndarray, opts: Options, *, allgather: bool, shift: int,

@@ -9,6 +9,13 @@ writeable, ``algorithm="auto"``, not ``async_op``. Two paths take it:
   ``auto`` picks, for the size, recursive doubling or halving-doubling in a
   power-of-two group, or the ring in any (with the group's default
   segments): that allreduce, which runs its rounds in one compiled call.
+  Its plan is prepared once per size, dtype, op and check (``_Hot``, an
+  ``algorithms._planned.Prepared`` over the transport's ``plan_runner``):
+  the pick, the plan, the descriptor, the links and their seq offsets. A
+  call then computes its descriptor tag, writes the rounds' tags and runs
+  the compiled call; on 4 ranks sharing 2 cores that took the Python of a
+  4 KiB call from about 25 to 14 us (docs/performance.md, "a plain call
+  prepared once").
 
 Both run through ``Executor.inline``: the same sequence numbers, stats,
 trace and poisoning as ``Executor.submit``, without the general path's
@@ -24,6 +31,7 @@ from typing import Any
 import numpy as np
 
 from ..algorithms._common import OPS, Workspace, check_op
+from ..algorithms._planned import PLANNED, Prepared, lean_ok, prepared
 from ..algorithms._window_plan import EXACT, PLAIN
 from ..algorithms.direct import VARIANT_NAMES, hot_allreduce, hot_variant
 from ..algorithms.halving_doubling import halving_doubling_allreduce
@@ -44,6 +52,7 @@ _STEPPED: dict[str, tuple[str, Any]] = {
     "ring": ("ring allreduce", ring_allreduce),
 }
 _RD_OPS = ("mean", "sum")
+_KEEP = 64  # the planned calls a group keeps (sizes, dtypes, ops); more clears them
 
 
 def stepped(transport: Transport) -> bool:
@@ -71,6 +80,14 @@ def fast_allreduce(pg: Any, buf: Any, op: str, algorithm: str, check_finite: boo
             pg.transport, buf, op if op in OPS else check_op(op), check_finite, limit, pg._ws, pg.kernel_backend,
             variant), buf.nbytes)
     if pg._stepped and op in _RD_OPS and not (wire_dtype or deterministic):
+        key = (buf.nbytes, buf.dtype, op, bool(check_finite))
+        hot = pg._lean.get(key)
+        if hot is None:
+            if len(pg._lean) >= _KEEP:
+                pg._lean.clear()
+            hot = pg._lean[key] = _prepare(pg, buf, op, bool(check_finite))
+        if hot:
+            return pg._exec.inline(hot.name, hot, (buf, limit), buf.nbytes)
         algo = pg._pick("auto", buf.nbytes)
         n = pg.transport.size
         if algo in _STEPPED and (not n & (n - 1) if algo != "ring" else pg.segment_bytes == SEGMENT_BYTES):
@@ -78,6 +95,38 @@ def fast_allreduce(pg: Any, buf: Any, op: str, algorithm: str, check_finite: boo
             return pg._exec.inline(name, _rd, (fn, pg.transport, buf, op, check_finite, limit, pg._ws,
                                               pg.kernel_backend), buf.nbytes)
     return GENERAL
+
+
+class _Hot:
+    """A plain call's planned allreduce (``_planned.Prepared``: recursive doubling, halving-doubling or the ring
+    that ``auto`` picks for its size), kept per size, dtype, op and check; where the transport declines it before
+    a byte moves, the algorithm's own function runs it."""
+
+    __slots__ = ("name", "run", "fn", "t", "op", "check", "ws", "backend")
+
+    def __init__(self, name: str, run: Prepared, fn: Any, pg: Any, op: str, check: bool) -> None:
+        self.name, self.run, self.fn, self.t, self.op, self.check = name, run, fn, pg.transport, op, check
+        self.ws, self.backend = pg._ws, pg.kernel_backend
+
+    def __call__(self, seq: int, buf: np.ndarray, limit: float) -> np.ndarray:
+        if not self.run(seq, buf, limit, self.ws):
+            self.fn(self.t, buf, op=self.op, check_finite=self.check, seq=seq, timeout=limit, workspace=self.ws,
+                    backend=self.backend)
+        return buf
+
+
+def _prepare(pg: Any, buf: np.ndarray, op: str, check: bool) -> _Hot | bool:
+    """The ``_Hot`` call of ``buf``'s size, dtype and op on ``pg``, or False where its algorithm has no plan."""
+    algo = pg._pick("auto", buf.nbytes)
+    t = pg.transport
+    if algo not in _STEPPED or algo not in PLANNED or getattr(t, "plan_runner", None) is None \
+            or pg.kernel_backend not in (None, "cython") or (algo == "ring" and pg.segment_bytes != SEGMENT_BYTES):
+        return False
+    sched, rest = PLANNED[algo]
+    if not lean_ok(t, buf, sched.any_size):
+        return False
+    name, fn = _STEPPED[algo]
+    return _Hot(name, prepared(t, sched, rest, buf.size, buf.dtype, op, check), fn, pg, op, check)
 
 
 def _rd(seq: int, fn: Any, transport: Transport, buf: np.ndarray, op: str, check_finite: bool, timeout: float,

@@ -62,6 +62,7 @@ class ProcessGroup(Topology):
         self._pinned: dict[tuple[int, str], tuple[Any, Any]] = {}
         self._hot = transport.shared_memory and transport.size > 1  # auto is direct: allreduce's fast path
         self._stepped = not self._hot and stepped(transport)  # tcp's recursive doubling: the other fast path
+        self._lean: dict[Any, Any] = {}  # the stepped fast path's prepared calls (fastpath._Hot), per size
         self.rank: int = transport.rank
         """This rank's number in the group, 0 .. size - 1."""
         self.size: int = transport.size

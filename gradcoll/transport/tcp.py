@@ -7,19 +7,16 @@ connection. A 32-byte handshake (magic, version, rank, world size, the
 listener's random token) refuses strangers, stale addresses and duplicate
 links.
 
-Data path: sockets are non-blocking with TCP_NODELAY and large buffers.
-``isend`` writes header + payload inline with one ``sendmsg`` when the socket
-has room (the small-message path never hands off to another thread);
-whatever does not fit is queued. ``wait`` drives every queued send and receive
-of the transport with ``poll`` (busy-polling for the first 50 us) until its
-own operation is done, so a ring's pending send keeps moving while the caller
-waits for the left neighbour, and two peers exchanging 64 MiB at once never
-deadlock. Receives land directly in the caller's buffer (``recvmsg_into`` /
-``recv_into``, no staging copy); a large send from a source the kernel would copy slowly, by its page
-offset, goes through a staging buffer (``tcp_fast.STAGE_BYTES``). The send, receive and wait loops run
-compiled and without the GIL where ``_tcp_io`` was built (same bytes on the
-wire); ``GRADCOLL_TCP_PURE_PYTHON=1`` or a missing extension runs them here. Links
-with a secret (tagged frames) or TLS run ``gradcoll.transport.tcp_secure``'s.
+Data path: sockets are non-blocking with TCP_NODELAY and large buffers. ``isend`` writes header + payload inline
+with one ``sendmsg`` when the socket has room (the small-message path never hands off to another thread); whatever
+does not fit is queued. ``wait`` drives every queued send and receive of the transport with ``poll`` (busy-polling
+for the first 50 us) until its own operation is done, so a ring's pending send keeps moving while the caller waits
+for the left neighbour, and two peers exchanging 64 MiB at once never deadlock. Receives land directly in the
+caller's buffer (``recvmsg_into`` / ``recv_into``, no staging copy); a large send from a source the kernel would
+copy slowly, by its page offset, goes through a staging buffer (``tcp_fast.STAGE_BYTES``). The send, receive and
+wait loops run compiled and without the GIL where ``_tcp_io`` was built (same bytes on the wire);
+``GRADCOLL_TCP_PURE_PYTHON=1`` or a missing extension runs them here. Links with a secret (tagged frames) or TLS run
+``gradcoll.transport.tcp_secure``'s.
 
 Dead links: every socket has TCP keepalive and ``TCP_USER_TIMEOUT`` set
 (``set_liveness``, ``gradcoll.transport.tcp_liveness``), so a peer that falls silent without closing (a pulled
@@ -154,13 +151,15 @@ class TcpTransport(FramedTransport):
         return fast.exchange_reduce(self, _IO, peer, acc, tmp, tag, timeout, divisor, check_input, check, found,
                                     send, at, copy)
 
-    def exchange_rounds(self, *args: Any) -> int:
-        """A recursive doubling's rounds in one compiled call where it can (``tcp_rounds.exchange_rounds``)."""
+    def exchange_rounds(self, *args: Any) -> int:  # a recursive doubling's rounds in one compiled call
         return 0 if _IO is None else tcp_rounds.exchange_rounds(self, _IO, *args)
 
-    def exchange_plan(self, *args: Any) -> int:
-        """An allreduce's rounds on parts of one buffer in one compiled call (``tcp_rounds.exchange_plan``)."""
+    def exchange_plan(self, *args: Any) -> int:  # an allreduce's rounds on parts of one buffer, in one call
         return 0 if _IO is None else tcp_rounds.exchange_plan(self, _IO, *args)
+
+    def plan_runner(self, peers: tuple[int, ...], sources: tuple[int, ...] | None = None) -> Any:
+        """``exchange_plan`` of these rounds prepared for repeated calls (``tcp_rounds.Runner``), or None."""
+        return None if _IO is None else tcp_rounds.runner(self, _IO, peers, sources)
 
     # -- waiting ---------------------------------------------------------
     def _before_idle(self) -> None:

@@ -17,6 +17,11 @@ sends take consecutive seqs, and so do its receives. On 4 ranks at 4 KiB
 this took the calls' Python from 14.5 to 12.3 us of CPU time per call
 (docs/performance.md, "Rounds in one call").
 
+``Runner`` is such a call prepared once for one sequence of rounds (its
+links, where each round's link and seqs go, the ring and staging buffers):
+``exchange_plan`` keeps one per sequence, and the group's fast path calls
+its own (``plan_runner``) with nothing else around it.
+
 It takes what the step takes (the sends staged where the step stages them),
 and declines before a byte moves where the step would decline on any of the
 rounds' links. A round that stops early (a header not due, an error, the end
@@ -73,16 +78,6 @@ class _Links:
                 links.append(link)
         self.secure = any(link.secure is not None for link in self.uniq)  # (a link's framing is fixed)
 
-    def start(self, t: Any, spec: array.array[int]) -> None:
-        """Fill in every round's links and seqs, and take the seqs of the sends (lock held)."""
-        links, rlinks, soff, roff = self.links, self.rlinks, self.soff, self.roff
-        for k in range(len(links)):
-            i = FIELDS * k
-            spec[i + FD], spec[i + RFD] = links[k].fd, rlinks[k].fd
-            spec[i + SSEQ], spec[i + RSEQ] = links[k].send_seq + soff[k], rlinks[k].recv_seq + roff[k]
-        for link, sends in zip(self.uniq, self.sends_of, strict=True):
-            link.send_seq += len(sends)
-
     def release(self, t: Any, spec: array.array[int], upto: int, stopped: bool) -> None:
         """After the call: rounds before ``upto`` moved both frames, round ``upto`` was ``stopped`` (``_adopt``
         takes it over; the transport stays driven until it does) or not started, the rest not started."""
@@ -106,6 +101,106 @@ class _Links:
                 t._cv.notify_all()
 
 
+class Runner:
+    """``exchange_plan`` for one sequence of rounds, prepared once: its links (``_Links``), where each round's
+    link and seqs go in the plan, and the transport's ring and staging buffers. A repeated allreduce of one size
+    (the group's fast path) calls it with the plan and the arrays; ``exchange_plan`` keeps one per sequence."""
+
+    __slots__ = ("t", "io", "ls", "n", "fill", "sends", "recvs", "uniq", "ring", "stage")
+
+    def __init__(self, t: Any, io: ModuleType, peers: tuple[int, ...], sources: tuple[int, ...]) -> None:
+        self.t, self.io, self.n = t, io, len(peers)
+        ls = self.ls = _Links(t, peers, sources)
+        self.fill = tuple((FIELDS * k, ls.links[k], ls.rlinks[k], ls.soff[k], ls.roff[k]) for k in range(self.n))
+        self.sends = tuple((link, len(s)) for link, s in zip(ls.uniq, ls.sends_of, strict=True) if s)
+        self.recvs = tuple((link, len(r)) for link, r in zip(ls.uniq, ls.recvs_of, strict=True) if r)
+        self.uniq = tuple(ls.uniq)
+        self.ring = _ring(t)
+        self.stage = _stage(t) if staging(io) else None
+
+    def __call__(self, flat: np.ndarray, tmp: np.ndarray, spec: array.array[int], timeout: float | None,
+                 divisor: float, check: bool, found: list[tuple[int, float]], at: list[int]) -> int:
+        """``exchange_plan``'s call (its tags already checked)."""
+        t, ls = self.t, self.ls
+        if ls.secure or flat.nbytes > fast.SMALL_BYTES:
+            return 0
+        with t._mu:
+            if t._driving or t._queued() or t._woken is not None or t.closed:
+                return 0
+            for link in self.uniq:
+                if link.stash or link.failure is not None:
+                    return 0
+            for i, link, rlink, so, ro in self.fill:
+                spec[i + FD], spec[i + RFD] = link.fd, rlink.fd
+                spec[i + SSEQ], spec[i + RSEQ] = link.send_seq + so, rlink.recv_seq + ro
+            for link, k in self.sends:
+                link.send_seq += k
+            t._driving, t._stepping = True, self.uniq
+        limit = t._timeout(timeout)
+        started = time.monotonic()
+        io = self.io
+        try:
+            k, out, sent, got, serr, rerr, eof, hdr, red, fin, bad = io.exchange_plan(
+                t._wake_fd, flat, tmp, spec, max(t._spin, fast.STEP_SPIN_S), -1.0 if limit is None else limit,
+                divisor, check, check, fast.PIECE_BYTES, self.ring,
+                self.stage if flat.nbytes <= fast.STAGE_MAX else None)
+        except BaseException:  # refused its arrays: nothing moved
+            ls.release(t, spec, 0, False)
+            raise
+        if out == io.BAD_INPUT:
+            ls.release(t, spec, 0, False)
+            return 0
+        if bad is not None:
+            found.append((bad[0], bad[1]))
+        if out != io.STOPPED:
+            self._done()
+            return self.n
+        return self._stopped(k, flat, tmp, spec, sent, got, serr, rerr, eof, hdr, red, fin, limit, started, divisor,
+                             check, at)
+
+    def _done(self) -> None:
+        """``_Links.release`` of a call whose every round moved both frames, in fewer steps."""
+        t = self.t
+        with t._mu:
+            for link, k in self.recvs:
+                link.recv_seq += k
+            t._driving, t._stepping = False, None
+            for link in self.uniq:
+                if link.sendq:  # queued behind by another thread
+                    t._push(link)
+            if t._sleepers:
+                t._cv.notify_all()
+
+    def _stopped(self, k: int, flat: np.ndarray, tmp: np.ndarray, spec: array.array[int], sent: int, got: int,
+                 serr: int, rerr: int, eof: bool, hdr: bytes | None, red: int, fin: bool, limit: float | None,
+                 started: float, divisor: float, check: bool, at: list[int]) -> int:
+        """Round ``k`` stopped early: the engine finishes it (``_adopt``); returns the rounds done."""
+        t, ls, io = self.t, self.ls, self.io
+        at[0] = k
+        ls.release(t, spec, k, True)
+        i = FIELDS * k
+        a, b, c, d, flags = spec[i + A], spec[i + B], spec[i + C], spec[i + D], spec[i + FLAGS]
+        copy = bool(flags & COPY)
+        ops = _adopt(t, ls.links[k], flat[c:d], flat[a:b] if copy else tmp[: b - a], spec[i + TAG], spec[i + SSEQ],
+                     spec[i + RSEQ], sent, got, serr, rerr, eof, hdr, ls.rlinks[k])
+        t._wait(ops, None if limit is None else max(0.0, limit - (time.monotonic() - started)))
+        if not copy:  # (not finite: marked, as the round marks it)
+            io.reduce_rest(flat[a:b], tmp[: b - a], red, divisor if flags & DIVIDE else 1.0, fin, check)
+        return int(k) + 1
+
+
+def runner(t: Any, io: ModuleType, peers: tuple[int, ...], sources: tuple[int, ...] | None = None) -> Runner | None:
+    """The transport's ``Runner`` of these rounds (kept per sequence), or None where the peers do not fit."""
+    key = peers if sources is None or sources == peers else (peers, sources)
+    plans = t.__dict__.setdefault("_plans", {})
+    got: Runner | None = plans.get(key)
+    if got is None:
+        if not peers or (sources is not None and len(sources) != len(peers)):
+            return None
+        got = plans[key] = Runner(t, io, peers, peers if sources is None else sources)
+    return got
+
+
 def exchange_plan(t: Any, io: ModuleType, peers: tuple[int, ...], flat: np.ndarray, tmp: np.ndarray,
                   spec: array.array[int], timeout: float | None, divisor: float, check: bool,
                   found: list[tuple[int, float]], at: list[int], sources: tuple[int, ...] | None = None) -> int:
@@ -122,57 +217,16 @@ def exchange_plan(t: Any, io: ModuleType, peers: tuple[int, ...], flat: np.ndarr
     is not finite in the first round's first piece). ``found`` receives ``(index of flat, value)`` as
     ``exchange_reduce``'s; ``at[0]`` is the round the engine is finishing when that raises.
     """
-    n = len(peers)
-    if n < 1 or flat.nbytes > fast.SMALL_BYTES or len(spec) != FIELDS * n:
+    if len(spec) != FIELDS * len(peers):
         return 0
-    key = peers if sources is None or sources == peers else (peers, sources)
-    ls = t.__dict__.setdefault("_plans", {}).get(key)
-    if ls is None:
-        if sources is not None and len(sources) != n:
-            return 0
-        ls = t._plans[key] = _Links(t, peers, peers if sources is None else sources)
-    if ls.secure:
+    run = runner(t, io, peers, sources)
+    if run is None:
         return 0
     tags = spec[TAG::FIELDS]
     if min(tags) < 0 or max(tags) > fr.MAX_TAG:
         for tag in tags:
             fr.check_tag(tag)
-    with t._mu:
-        if t._driving or t._queued() or t._woken is not None or t.closed:
-            return 0
-        for link in ls.uniq:
-            if link.stash or link.failure is not None:
-                return 0
-        ls.start(t, spec)
-        t._driving, t._stepping = True, tuple(ls.uniq)
-    limit = t._timeout(timeout)
-    started = time.monotonic()
-    try:
-        k, out, sent, got, serr, rerr, eof, hdr, red, fin, bad = io.exchange_plan(
-            t._wake_fd, flat, tmp, spec, max(t._spin, fast.STEP_SPIN_S), -1.0 if limit is None else limit, divisor,
-            check, check, fast.PIECE_BYTES, _ring(t), _stage(t) if flat.nbytes <= fast.STAGE_MAX and staging(io) else None)
-    except BaseException:  # refused its arrays: nothing moved
-        ls.release(t, spec, 0, False)
-        raise
-    if out == io.BAD_INPUT:
-        ls.release(t, spec, 0, False)
-        return 0
-    if bad is not None:
-        found.append((bad[0], bad[1]))
-    if out != io.STOPPED:
-        ls.release(t, spec, n, False)
-        return n
-    at[0] = k
-    ls.release(t, spec, k, True)
-    i = FIELDS * k
-    a, b, c, d, flags = spec[i + A], spec[i + B], spec[i + C], spec[i + D], spec[i + FLAGS]
-    copy = bool(flags & COPY)
-    ops = _adopt(t, ls.links[k], flat[c:d], flat[a:b] if copy else tmp[: b - a], spec[i + TAG], spec[i + SSEQ],
-                 spec[i + RSEQ], sent, got, serr, rerr, eof, hdr, ls.rlinks[k])
-    t._wait(ops, None if limit is None else max(0.0, limit - (time.monotonic() - started)))
-    if not copy:  # (not finite: marked, as the round marks it)
-        io.reduce_rest(flat[a:b], tmp[: b - a], red, divisor if flags & DIVIDE else 1.0, fin, check)
-    return int(k) + 1
+    return run(flat, tmp, spec, timeout, divisor, check, found, at)
 
 
 def exchange_rounds(t: Any, io: ModuleType, peers: tuple[int, ...], acc: np.ndarray, tmp: np.ndarray, tag: int,

@@ -32,9 +32,10 @@ worlds = fast_tests.worlds  # threaded tcp groups by size, one per module
 
 @pytest.fixture
 def calls(monkeypatch) -> list[Any]:
-    """What every ``tcp_rounds.exchange_plan`` call in this test returned (rounds done), or the class it raised."""
+    """What every call of rounds in one (``tcp_rounds.Runner``) in this test returned (rounds done), or the class it
+    raised."""
     seen: list[Any] = []
-    real = tcp_rounds.exchange_plan
+    real = tcp_rounds.Runner.__call__
 
     def spy(*a: Any, **k: Any) -> int:
         try:
@@ -45,7 +46,7 @@ def calls(monkeypatch) -> list[Any]:
         seen.append(out)
         return int(out)
 
-    monkeypatch.setattr(tcp_rounds, "exchange_plan", spy)
+    monkeypatch.setattr(tcp_rounds.Runner, "__call__", spy)
     return seen
 
 
@@ -89,7 +90,7 @@ def test_every_step_in_one_call_gives_the_general_paths_bits(worlds, calls, monk
     assert calls == [len(ring_plan(0, n, count, op == "mean", itemsize=np.dtype(dtype).itemsize).peers)] * n
     want = np.sum(np.stack(data).astype(np.float64), axis=0) / (n if op == "mean" else 1)
     assert np.allclose(planned[0], want, rtol=1e-5 if dtype == np.float32 else 1e-12, atol=1e-4)
-    monkeypatch.setattr(tcp, "_IO", None)  # GRADCOLL_TCP_PURE_PYTHON=1: the engine in Python, the general path
+    fast_tests.pure_python(monkeypatch)  # GRADCOLL_TCP_PURE_PYTHON=1: the engine in Python, the general path
     calls.clear()
     general = [d.copy() for d in data]
     assert ring_all(ts, general, op=op, seq=4) == [None] * n

@@ -54,10 +54,14 @@ def _arm_self_kill(transport: Any, after: int, conn: Any, sig: int = signal.SIGK
             return fn(*a, **k)
         return hooked
 
-    # the last three: tcp's compiled small-message step, and its rounds in one call
-    for name in ("isend", "irecv", "sendrecv", "exchange_reduce", "exchange_rounds", "exchange_plan"):
+    # the last one: tcp's compiled small-message step
+    for name in ("isend", "irecv", "sendrecv", "exchange_reduce"):
         if hasattr(transport, name):
             setattr(transport, name, wrap(getattr(transport, name)))
+    if hasattr(transport, "plan_runner"):  # tcp's rounds in one call (every plan's: the group's prepared calls too)
+        from gradcoll.transport import tcp_rounds
+
+        tcp_rounds.Runner.__call__ = wrap(tcp_rounds.Runner.__call__)  # type: ignore[method-assign]
     win = getattr(transport, "_group_window", None)
     if win is not None:  # the direct allreduce: no transport call inside a collective, so die between two pieces
         from gradcoll.algorithms import _window_run

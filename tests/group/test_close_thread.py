@@ -40,8 +40,10 @@ def _rank(path: str, r: int, backend: str, out: Any, algo: str = "ring") -> None
             return isend(*a, **k)
 
         g.transport.isend = hooked  # type: ignore[method-assign]
-        plan = getattr(g.transport, "exchange_plan", None)
-        if plan is not None:  # tcp runs the steps in one compiled call: close while it starts or runs
+        if hasattr(g.transport, "plan_runner"):  # tcp runs the steps in one compiled call: close while it starts or runs
+            from gradcoll.transport import tcp_rounds
+
+            plan = tcp_rounds.Runner.__call__
 
             def planned(*a: Any, **k: Any) -> Any:
                 t = threading.Thread(target=g.close)
@@ -51,7 +53,7 @@ def _rank(path: str, r: int, backend: str, out: Any, algo: str = "ring") -> None
                 finally:
                     t.join(10)
 
-            g.transport.exchange_plan = planned  # type: ignore[attr-defined]
+            tcp_rounds.Runner.__call__ = planned  # type: ignore[method-assign]
     try:
         g.allreduce(np.ones(8 << 20), algorithm=algo)
         out.put((r, "returned", ""))

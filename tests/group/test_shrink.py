@@ -90,7 +90,7 @@ def _proc_rank(rank: int, size: int, path: str, backend: str, where: str, out: A
             os._exit(1)
         # Exit at this rank's 3rd transport call of the allreduce below: past the reduce-scatter, so the peers
         # are inside the collective with it (4 ranks make 4 calls in halving-doubling, at least 12 in the
-        # ring), or at the one call of tcp's compiled rounds (exchange_plan: every round of the allreduce),
+        # ring), or at the one call of tcp's compiled rounds (a tcp_rounds.Runner: every round of the allreduce),
         # where the peers are inside it too. A timer could miss a collective that finishes first.
         calls = [0]
 
@@ -104,9 +104,13 @@ def _proc_rank(rank: int, size: int, path: str, backend: str, where: str, out: A
                 return fn(*a, **k)
             return call
 
-        for name in ("isend", "irecv", "sendrecv", "exchange_reduce", "exchange_plan"):
+        for name in ("isend", "irecv", "sendrecv", "exchange_reduce"):
             if hasattr(g.transport, name):
-                setattr(g.transport, name, hooked(getattr(g.transport, name), name == "exchange_plan"))
+                setattr(g.transport, name, hooked(getattr(g.transport, name), False))
+        if hasattr(g.transport, "plan_runner"):  # tcp's rounds in one compiled call: die as it starts
+            from gradcoll.transport import tcp_rounds
+
+            tcp_rounds.Runner.__call__ = hooked(tcp_rounds.Runner.__call__, True)  # type: ignore[method-assign]
         g.allreduce(_grad(rank, DIE_AT, n))
         threading.Event().wait(30)
 

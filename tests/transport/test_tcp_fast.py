@@ -38,7 +38,7 @@ DECLINED, MOVED, REDUCED, NONFINITE = tcp_fast.DECLINED, tcp_fast.MOVED, tcp_fas
 @pytest.fixture
 def outcomes(monkeypatch) -> list[Any]:
     """Every outcome of the compiled step in this test, in order (the class of what it raised, when it raised);
-    ``("rounds", k)`` for a call of several rounds in one (``tcp_rounds.exchange_plan``) that did ``k`` of them."""
+    ``("rounds", k)`` for a call of several rounds in one (``tcp_rounds.Runner``) that did ``k`` of them."""
     seen: list[Any] = []
 
     def spy(module: Any, name: str) -> Any:
@@ -50,14 +50,23 @@ def outcomes(monkeypatch) -> list[Any]:
             except BaseException as e:
                 seen.append(type(e))
                 raise
-            seen.append(out if name == "exchange_reduce" else ("rounds", out))  # (exchange_plan)
+            seen.append(out if name == "exchange_reduce" else ("rounds", out))  # (a Runner)
             return out
 
         return call
 
     monkeypatch.setattr(tcp_fast, "exchange_reduce", spy(tcp_fast, "exchange_reduce"))
-    monkeypatch.setattr(tcp_rounds, "exchange_plan", spy(tcp_rounds, "exchange_plan"))  # (exchange_rounds' too)
+    # every call of several rounds: exchange_plan's, exchange_rounds' and the prepared calls' (the group's fast path)
+    monkeypatch.setattr(tcp_rounds.Runner, "__call__", spy(tcp_rounds.Runner, "__call__"))
     return seen
+
+
+def pure_python(monkeypatch: Any) -> None:
+    """``GRADCOLL_TCP_PURE_PYTHON=1`` from here on: no compiled loops; the calls prepared before (the rounds the
+    algorithms and the group keep per size, ``tcp_rounds.Runner``) decline, as they do where the extension is
+    not built."""
+    monkeypatch.setattr(tcp, "_IO", None)
+    monkeypatch.setattr(tcp_rounds.Runner, "__call__", lambda *a: 0)
 
 
 def steps(n: int) -> Counter[Any]:
