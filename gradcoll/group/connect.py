@@ -21,7 +21,7 @@ from ..observe.diagnosis import SHRINKING, ControlChannel
 from ..store import PrefixStore, Store
 from .process_group import ProcessGroup
 from .shrink import agree, check_shrinkable
-from .topology import local_host
+from .topology import local_host, machine_id
 
 __all__ = ["connect", "load_backend", "Regroup"]
 
@@ -60,7 +60,7 @@ def connect(ns: Store, backend: str, rank: int, size: int, *, timeout: float, gr
         control = open_control(ns, rank, size, timeout=timeout, host=host, backend=backend,
                                options=transport_options, generation=generation)
         try:
-            hosts = _meet(ns, rank, size, timeout)
+            hosts, machines = _meet(ns, rank, size, timeout)
         except BaseException:
             control.close()
             raise
@@ -68,14 +68,18 @@ def connect(ns: Store, backend: str, rank: int, size: int, *, timeout: float, gr
         transport.close()
         raise
     kept = {k: v for k, v in group_options.items() if k != "trace"}
-    return ProcessGroup(transport, timeout=group_timeout, kernel_backend=kernel_backend,
-                        membership=Regroup(control, kept), hosts=hosts, **group_options)
+    group = ProcessGroup(transport, timeout=group_timeout, kernel_backend=kernel_backend,
+                         membership=Regroup(control, kept), hosts=hosts, **group_options)
+    group._on_machine = machines.count(machines[rank])
+    return group
 
 
-def _meet(store: Store, rank: int, size: int, timeout: float) -> list[str]:
-    """Wait until every rank has its transport (the store is not needed after this); every rank's host."""
-    store.set(f"ready/{rank}", local_host().encode())
-    return [store.get(f"ready/{r}", timeout).decode(errors="replace") for r in range(size)]
+def _meet(store: Store, rank: int, size: int, timeout: float) -> tuple[list[str], list[str]]:
+    """Wait until every rank has its transport (the store is not needed after this); every rank's host and
+    machine (``topology.machine_id``: ``GRADCOLL_HOST`` may name several hosts on one machine)."""
+    store.set(f"ready/{rank}", f"{local_host()}\0{machine_id()}".encode())
+    got = [store.get(f"ready/{r}", timeout).decode(errors="replace").split("\0", 1) for r in range(size)]
+    return [g[0] for g in got], [g[-1] for g in got]
 
 
 class Regroup:

@@ -54,7 +54,7 @@ from ..transport.base import Transport
 from ..transport.routed import RoutedTransport
 from .subgroup import ExchangeStore, exchange
 
-__all__ = ["HOST_VAR", "local_host", "Topology", "NonMember", "new_group"]
+__all__ = ["HOST_VAR", "local_host", "machine_id", "Topology", "NonMember", "new_group"]
 
 log = logging.getLogger("gradcoll")
 
@@ -80,6 +80,16 @@ class _Membership(Protocol):
 def local_host() -> str:
     """This rank's host: ``GRADCOLL_HOST`` when set, else the host name."""
     return os.environ.get(HOST_VAR, "").strip() or socket.gethostname()
+
+
+def machine_id() -> str:
+    """This machine, whose cores its ranks share whatever hosts ``GRADCOLL_HOST`` names: the kernel's boot id
+    where Linux gives one (containers on one machine share it), else the host name."""
+    try:
+        with open("/proc/sys/kernel/random/boot_id") as f:
+            return f.read().strip() or socket.gethostname()
+    except OSError:
+        return socket.gethostname()
 
 
 class NonMember:
@@ -143,6 +153,10 @@ class Topology:
     hosts: tuple[str, ...] | None
     """The host of every rank (None when unknown: a tcp or mpi group built directly on a transport)."""
     _routed: Transport | None
+    #: How many ranks of the group this one descends from share this rank's machine (None: unknown); the shm
+    #: links of its subgroups and of the two-level allreduce count them against the cores (``shm.create``'s
+    #: ``crowd``).
+    _on_machine: int | None
 
     def _init_hosts(self, hosts: Sequence[str] | None) -> None:
         if hosts is None and self.transport.name in ONE_HOST:
@@ -151,6 +165,7 @@ class Topology:
             raise UsageError(f"hosts names {len(hosts)} ranks, the group has {self.size}")
         self.hosts = None if hosts is None else tuple(str(h) for h in hosts)
         self._routed = None
+        self._on_machine = None
 
     @property
     def host(self) -> str:
@@ -203,10 +218,12 @@ class Topology:
             return NonMember(self.rank, parts[0])
         transport, control = built
         membership = parent.adopt(control) if parent is not None and control else None
-        return cast(G, cast(Any, type(self))(
+        sub = cast(Any, type(self))(
             transport, timeout=self.timeout, segment_bytes=getattr(self, "segment_bytes", None),
             kernel_backend=getattr(self, "kernel_backend", None), membership=membership,
-            stall_warning_s=self._diag_stall(), hosts=None if self.hosts is None else [self.hosts[r] for r in mine]))
+            stall_warning_s=self._diag_stall(), hosts=None if self.hosts is None else [self.hosts[r] for r in mine])
+        sub._on_machine = self._on_machine  # (the other subgroups' ranks share the machine too)
+        return cast(G, sub)
 
     def _parent_membership(self) -> _Membership | None:
         return cast("_Membership | None", getattr(self, "_membership", None))
@@ -229,6 +246,8 @@ class Topology:
         parent = self._parent_membership()
         ctl = parent.control if parent is not None else None
         options = dict(ctl.options) if ctl is not None and ctl.backend == backend else {}
+        if backend == "shm" and self._on_machine:
+            options["crowd"] = max(self._on_machine, int(options.get("crowd") or 0))
         host = ctl.host if ctl is not None else "127.0.0.1"
         k = next((i for i, p in enumerate(parts) if self.rank in p), None)
 

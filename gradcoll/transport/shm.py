@@ -76,13 +76,17 @@ class ShmTransport(FramedTransport):
     #: The group's secret (``create``'s ``secret``), proved through every segment and window file.
     secret: bytes | None = None
 
-    def __init__(self, rank: int, size: int, links: dict[int, _RingLink], timeout: float = 300.0) -> None:
+    def __init__(self, rank: int, size: int, links: dict[int, _RingLink], timeout: float = 300.0,
+                 crowd: int | None = None) -> None:
         super().__init__(rank, size, dict(links), timeout)
         self._rings = list(links.values())
+        #: The ranks that share this machine's cores (``create``'s ``crowd``; at least this group's size).
+        self.crowd = max(size, crowd or 0)
         # Ranks that are threads of this process share the GIL, and ranks that
-        # outnumber the cores (every shm rank is on this host) share cores:
-        # either way spinning would starve the peer we wait for.
-        crowded = size > len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else False
+        # outnumber the cores (every shm rank is on this host, and so may the
+        # ranks of other groups: ``crowd``) share cores: either way spinning
+        # would starve the peer we wait for.
+        crowded = self.crowd > len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else False
         self._spin = 0.0 if crowded or all(ln.same_process for ln in self._rings) else _SPIN_S
         self._idle_since = 0.0
 
@@ -261,6 +265,7 @@ def create(
     shm_dir: str | None = None,
     key_prefix: str = "shm",
     secret: bytes | str | None = None,
+    crowd: int | None = None,
 ) -> ShmTransport:
     """Connect ``rank`` to every other rank of this host through shared-memory rings.
 
@@ -272,7 +277,11 @@ def create(
     group. ``timeout`` bounds the bootstrap and becomes the transport's
     default timeout. ``secret`` (default ``$GRADCOLL_SECRET``): both sides
     of every segment, and every rank of every window, prove they know it
-    (the docstrings of ``shm_segment`` and ``window_shm``).
+    (the docstrings of ``shm_segment`` and ``window_shm``). ``crowd``: how
+    many ranks, of this group and others, share this machine's cores
+    (default: ``size``); where they outnumber the cores, waits yield at once
+    instead of spinning (a subgroup's or a two-level allreduce's links, whose
+    parent group knows).
     """
     if size < 1 or not 0 <= rank < size:
         raise UsageError(f"rank {rank} out of range for world size {size}")
@@ -284,6 +293,6 @@ def create(
     key = _auth.resolve(secret)
     segs = connect(store, rank, size, Deadline(timeout), ring_bytes=ring_bytes, directory=shm_dir or default_dir(),
                    key_prefix=key_prefix, key=key)
-    transport = ShmTransport(rank, size, {peer: _RingLink(peer, seg) for peer, seg in segs.items()}, timeout)
+    transport = ShmTransport(rank, size, {peer: _RingLink(peer, seg) for peer, seg in segs.items()}, timeout, crowd)
     transport.shm_dir, transport.secret = shm_dir, key
     return transport

@@ -150,12 +150,14 @@ class MappedWindow(Window):
     ``r`` of ``fd`` held by rank ``r``'s process, 2 rank ``r``'s pid.
     ``release`` runs at ``close`` (unmapping, closing ``fd``). Every rank's
     pid must be in its header before the window is built (the creating
-    transport sees to it).
+    transport sees to it). ``crowd``: the ranks sharing this machine's cores,
+    this window's and other groups' (default ``size``); where they outnumber
+    the cores, waiters yield instead of spinning.
     """
 
     def __init__(self, buf: Any, rank: int, size: int, *, probe: int = 0, fd: int = -1,
                  release: Callable[[], None] | None = None, spin_s: float | None = None,
-                 yields: int | None = None) -> None:
+                 yields: int | None = None, crowd: int | None = None) -> None:
         self.buf = buf
         self.u8 = np.frombuffer(buf, np.uint8)
         magic, n, slot_bytes, stride, headers, slots = _GLOBAL.unpack_from(self.u8.data, 0)
@@ -179,7 +181,9 @@ class MappedWindow(Window):
         self._address = self.u8.ctypes.data
         self._local = [int(self._pid[r]) == os.getpid() for r in range(size)]
         cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
-        crowded = size > cores  # more ranks than cores: a spinning rank takes a core from the one it waits for
+        # more ranks than cores (``crowd``: with the other groups' on this machine): a spinning rank takes a core
+        # from the one it waits for
+        crowded = max(size, crowd or 0) > cores
         self.spin_s = (0.0 if crowded else SPIN_S) if spin_s is None else spin_s
         self.yields = (8 if crowded else 0) if yields is None else yields
         self._c = _compiled()

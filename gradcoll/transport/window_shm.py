@@ -99,8 +99,8 @@ def _set_pid(mm: Any, rank: int, size: int, slot_bytes: int) -> None:
     struct.pack_into("<Q", mm, headers + rank * 1024 + LAYOUT["pid"], os.getpid())
 
 
-def _window(mm: Any, fd: int, rank: int, size: int) -> MappedWindow:
-    return MappedWindow(mm, rank, size, probe=1, fd=fd, release=lambda: os.close(fd))
+def _window(mm: Any, fd: int, rank: int, size: int, crowd: int | None = None) -> MappedWindow:
+    return MappedWindow(mm, rank, size, probe=1, fd=fd, release=lambda: os.close(fd), crowd=crowd)
 
 
 def create(t: Transport, nbytes: int, timeout: float | None, directory: str | None = None,
@@ -171,7 +171,7 @@ def _create(t: Transport, nbytes: int, total: int, directory: str, deadline: Dea
     if missing or failed:
         os.close(fd)
         _raise(0, *_parse(go), peer=refused[0] if refused else None)
-    return _window(mm, fd, 0, t.size)
+    return _window(mm, fd, 0, t.size, getattr(t, "crowd", None))
 
 
 def _raise(rank: int, kind: str, text: str, peer: int | None = None) -> None:
@@ -249,4 +249,4 @@ def _attach(t: Transport, nbytes: int, total: int, directory: str, deadline: Dea
             os.close(fd)
         raise
     assert mm is not None
-    return _window(mm, fd, me, t.size)
+    return _window(mm, fd, me, t.size, getattr(t, "crowd", None))

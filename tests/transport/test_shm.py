@@ -239,3 +239,26 @@ def test_no_room_to_allocate_up_front_still_connects(shm_dir, monkeypatch, caplo
         for t in group:
             t.close()
     assert "no room to allocate" in caplog.text
+
+
+@pytest.mark.parametrize("crowd", [None, 1, "cores"])
+def test_crowd_counts_other_groups_ranks_against_the_cores(shm_dir, crowd) -> None:
+    """``crowd``: the ranks of every group on this machine. Where they outnumber the cores the window's waiters
+    yield instead of spinning (a subgroup's or a two-level allreduce's links, whose parent knows the count)."""
+    from gradcoll.testing import gather_ranks
+    from gradcoll.transport.window import SPIN_S
+
+    cores = len(os.sched_getaffinity(0))
+    n = 2
+    given = cores + 1 if crowd == "cores" else crowd
+    ts = threaded_group(shm.create, n, timeout=10, shm_dir=shm_dir, crowd=given)
+    try:
+        wins, errors = gather_ranks(lambda r: ts[r].window(1 << 10, 10.0), n, join_timeout=30)
+        assert errors == [None] * n, errors
+        want = max(n, given or 0)
+        assert [t.crowd for t in ts] == [want] * n
+        crowded = want > cores
+        assert [(w.spin_s, w.yields) for w in wins] == [(0.0, 8) if crowded else (SPIN_S, 0)] * n
+    finally:
+        for t in ts:
+            t.close()
