@@ -26,11 +26,11 @@ from __future__ import annotations
 import time
 from typing import NoReturn
 
-from ..errors import CollectiveTimeout, ProtocolError, TransportError
+from ..errors import CollectiveTimeout, ProtocolError, TransportClosed, TransportError
 from ..transport.base import Request
 from ..transport.frame import FrameMismatch
 from . import _witness, tags
-from ._common import Coll
+from ._common import Coll, closing
 from ._handshake import RECORD_SIZE, Record, absent, pack, unpack, with_status
 from ._verdict import ALARMS, BROKEN, LINK_ERRORS, MALFORMED, OK, PROTOCOL, TIMEOUT, is_root, status_of, verdict
 
@@ -70,7 +70,12 @@ def fail(coll: Coll, exc: BaseException | None, bad: tuple[int, float] | None = 
     element and its value).
     """
     t = coll.t
-    if exc is not None and (coll.pending is None or t.closed):
+    if exc is not None and closing(t) and not isinstance(exc, TransportClosed):
+        # this rank closed its group meanwhile: whatever its links then did (a peer's record where its data was
+        # due, a reset) is that close's doing
+        peer = getattr(exc, "peer", None)
+        exc = coll.translate(TransportClosed(str(exc), rank=t.rank, peer=peer), peer if type(peer) is int else -1)
+    if exc is not None and (coll.pending is None or closing(t)):
         raise exc  # no lenient tags (data errors are reported as they are), or nothing left to talk over
     own = own_record(coll, exc)
     _witness.failing(t)

@@ -10,6 +10,7 @@ link during ring allreduce step 2/6 (seq 118)``.
 from __future__ import annotations
 
 import time
+import weakref
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any
@@ -37,6 +38,8 @@ __all__ = [
     "Coll",
     "TRANSLATED",
     "Workspace",
+    "closing",
+    "note_closing",
 ]
 
 #: Reduction ops every allreduce-like algorithm accepts.
@@ -89,6 +92,20 @@ def check_op(op: str) -> str:
 def scratch(ws: Workspace | None, name: str, shape: int | tuple[int, ...], dtype: Any) -> np.ndarray:
     """``ws.get(...)``, or a fresh array without a workspace."""
     return np.empty(shape, dtype) if ws is None else ws.get(name, shape, dtype)
+
+
+#: The transports whose group this rank is closing (``note_closing``, from the moment it tells its peers).
+_CLOSING: weakref.WeakSet[Transport] = weakref.WeakSet()
+
+
+def note_closing(t: Transport) -> None:
+    """This rank is closing ``t``'s group: its peers may drop their links before ``t.closed`` is set."""
+    _CLOSING.add(t)
+
+
+def closing(t: Transport) -> bool:
+    """Whether this rank closed, or is closing, ``t``'s group: a link error now is that close's doing."""
+    return t.closed or t in _CLOSING
 
 
 @dataclass(slots=True)
@@ -198,8 +215,10 @@ class Coll:
         if isinstance(exc, CollectiveTimeout):
             detail = f"peer {peer} stopped responding" if self.steps else f"peer {peer} did not arrive"
             return self.timeout_error([peer], detail)
+        if isinstance(exc, TransportBroken) and closing(self.t):  # the peer dropped the link at this rank's close
+            exc = TransportClosed(str(exc), rank=self.rank, peer=peer)
         if isinstance(exc, TransportClosed):
-            if self.t.closed:
+            if closing(self.t):
                 msg = f"rank {self.rank}: this rank's transport was closed during {self.where()}"
             else:
                 msg = f"rank {self.rank}: peer {peer} closed the link during {self.where()}"

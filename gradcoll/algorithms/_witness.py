@@ -31,6 +31,7 @@ from ..errors import ProtocolError
 from ..transport.base import Transport
 from ..transport.frame import FrameMismatch
 from . import tags
+from ._common import note_closing
 from ._handshake import pack, unpack, with_status
 from ._verdict import LEFT
 
@@ -99,6 +100,7 @@ def wake(transport: Transport, src: int, record: bytes, running: int | None) -> 
 
 def announce_close(transport: Transport, seq: int) -> None:
     """Publish that this rank closes its group at ``seq`` (a no-op without a witness channel)."""
+    note_closing(transport)  # the peers may drop their links before this transport is marked closed
     channel = _CHANNELS.get(transport)
     if channel is not None:
         desc = (0, 0, 0, 0, 0, -1, 0, seq)  # no call: only the seq and the status mean something

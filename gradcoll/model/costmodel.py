@@ -31,8 +31,9 @@ A transport is described by ``AlphaBeta``:
   ``gradcoll.transport.tcp_fast.PIECE_BYTES``), the round's per-core working set is that piece, not the
   message: the ``l2`` term counts the piece (for the rounds of the ring and halving-doubling too). The step runs where ``n`` is a power of
   two (no fold, no unfold). There, recursive doubling and halving-doubling run all their rounds in one compiled
-  call (``gradcoll.transport.tcp_rounds``), and the ring does in a group of any size: ``alpha`` and ``switch``
-  count once per call for them.
+  call (``gradcoll.transport.tcp_rounds``), and the ring does in a group of any size: ``alpha`` counts once
+  per call for them, and so does ``switch`` but for the ring, whose every round waits on its left neighbour
+  and so needs every rank running: it wakes one per round.
 * ``round_s``: per round of such a call (the round trip of its frames), times ``max(1, ranks / cores)``: its
   waits poll and yield the core instead of sleeping, so a round costs less than an engine's message.
   Not fitted (0: the whole message).
@@ -208,7 +209,11 @@ def _columns(algorithm: str, n: int, nbytes: float, node: Node | None, model: Al
     # in place of the messages' alpha) and the wake-up of a descheduled peer count once, and each round, whose
     # waits poll and yield instead of sleeping, costs round_s, times the ranks sharing a core.
     if planned:
-        return np.array([0.0, x, w.link_bytes, *cpu, waiting, w.messages * (1.0 + x), 1.0])
+        # A ring's round needs every rank running (each waits on its left neighbour), so with more ranks than
+        # cores each round wakes a descheduled one; a pairwise round (recursive doubling, halving-doubling)
+        # needs only its two, and the wake-up counts once per call.
+        wakes = x * (w.messages if algorithm == "ring" else 1.0)
+        return np.array([0.0, wakes, w.link_bytes, *cpu, waiting, w.messages * (1.0 + x), 1.0])
     return np.array([w.messages, w.messages * x, w.link_bytes, *cpu, waiting, 0.0, 0.0])
 
 

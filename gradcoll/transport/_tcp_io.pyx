@@ -548,10 +548,15 @@ cdef struct XS:
     Py_ssize_t soff, roff, red, chk, bad_i
     uint32_t tag
     uint64_t rseq
-    double f, spin, timeout, end, bad_v
+    double f, spin, timeout, end, bad_v, wake_at  # wake_at: when the loop next looks at the wake socket
     Checked stck
     uint8_t sh[HDR]
     uint8_t rh[HDR]
+
+
+#: How often (seconds) a loop whose bytes keep flowing looks at the wake socket: another thread's work, or a
+#: close, stops a long exchange within this much, not only when the loop waits.
+cdef double WAKE_CHECK_S = 1e-3
 
 
 cdef void _xloop(XS* s) noexcept nogil:
@@ -560,10 +565,17 @@ cdef void _xloop(XS* s) noexcept nogil:
     cdef Py_ssize_t before, upto, ready_elems, lim, floor_b, pay
     cdef int moved, ready, ms, nfds
     cdef pollfd pfd[3]
+    cdef pollfd wpfd
     cdef double now, spin_end
     now = _now()
     spin_end = now + s.spin
     while True:
+        if s.wake_at <= now:  # while the bytes keep flowing the loop never polls: look at the wake socket
+            s.wake_at = now + WAKE_CHECK_S  # (across the rounds of a call, each of which may take less)
+            wpfd.fd, wpfd.events, wpfd.revents = s.wake, POLLIN_, 0
+            if poll(&wpfd, 1, 0) > 0 and wpfd.revents:
+                break  # another thread queued work (or closes the transport): the engine drives from here
+        now = _now()
         before = s.soff
         lim = s.roff + s.ahead if s.roff > HDR else HDR + s.ahead
         if lim > s.stotal or s.roff >= s.total or s.copy:  # (a longer send than receive goes on once it is done)
@@ -791,6 +803,7 @@ def exchange(int fd, int wake, cnp.ndarray acc, cnp.ndarray tmp, uint32_t tag, u
         return X_BAD_INPUT, 0, 0, 0, 0, False, None, 0, True, None
     with nogil:
         s.end = _now() + timeout
+        s.wake_at = s.end - timeout + WAKE_CHECK_S
         _xloop(&s)
     return _xresult(&s, <uint8_t*>cnp.PyArray_DATA(tmp))
 
@@ -878,6 +891,7 @@ def exchange_plan(int wake, cnp.ndarray flat, cnp.ndarray tmp, const int64_t[::1
         return (0, X_BAD_INPUT, 0, 0, 0, 0, False, None, 0, True, None)
     with nogil:
         s.end = _now() + timeout
+        s.wake_at = s.end - timeout + WAKE_CHECK_S
         while True:
             _xloop(&s)
             if s.bad_i >= 0 and bad_at < 0:  # the first bad input element found, as an index of flat

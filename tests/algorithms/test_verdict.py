@@ -265,3 +265,19 @@ def test_a_rank_with_a_bad_input_woken_by_an_alarm_still_reports_its_input() -> 
     assert (broken.status, broken.peer) == (V.BROKEN, 0)
     c.status = None
     assert own_record(c, woken).status == V.OK
+
+
+def test_a_link_error_while_this_rank_closes_its_group_is_that_close() -> None:
+    """From the moment a rank tells its peers it closes its group (``announce_close``), they may drop their links
+    before its transport is marked closed: a broken link or a peer's record where data was due is then reported
+    as this rank's own close, not as a fault of the peer."""
+    from gradcoll.algorithms._common import closing, note_closing
+    from gradcoll.errors import TransportBroken, TransportClosed
+
+    c = Coll(create_world(2, timeout=1.0)[0], "ring allreduce", 5, 40, 1.0)
+    broken = TransportBroken("rank 0: send to peer 1: link broke (Broken pipe)", rank=0, peer=1)
+    before = c.translate(broken, 1)
+    assert type(before) is TransportBroken and not closing(c.t)
+    note_closing(c.t)
+    after = c.translate(broken, 1)
+    assert type(after) is TransportClosed and "this rank's transport was closed" in str(after) and after.peer == 1

@@ -41,13 +41,23 @@ def _rank(path: str, r: int, backend: str, out: Any, algo: str = "ring") -> None
 
         g.transport.isend = hooked  # type: ignore[method-assign]
         if hasattr(g.transport, "plan_runner"):  # tcp runs the steps in one compiled call: close while it starts or runs
+            from gradcoll.algorithms import _witness
             from gradcoll.transport import tcp_rounds
 
-            plan = tcp_rounds.Runner.__call__
+            plan, note, told = tcp_rounds.Runner.__call__, _witness.note_closing, threading.Event()
+
+            def noted(t: Any) -> None:
+                note(t)
+                told.set()
+
+            _witness.note_closing = noted  # type: ignore[assignment]
 
             def planned(*a: Any, **k: Any) -> Any:
                 t = threading.Thread(target=g.close)
                 t.start()
+                # the close has told the peer (which may drop its link now) and is on its way to the transport: a
+                # call that could finish all its frames before the close lands would return, not fail
+                told.wait(10)
                 try:
                     return plan(*a, **k)
                 finally:

@@ -327,3 +327,40 @@ def test_a_left_neighbour_whose_stream_ends_breaks_the_round_naming_it(two) -> N
         _ring(t, np.ones(8, np.float32), 4)
     assert info.value.peer == 2
     assert _read(peers[1], 24 + 16) == _frame(0, np.ones(4, np.float32), RING)
+
+
+@pytest.mark.skipif(tcp._IO is None, reason="gradcoll.transport._tcp_io is not built: `make install`")
+def test_a_wake_stops_a_long_call_and_the_engine_finishes_it(monkeypatch) -> None:
+    """Another thread's work (or a close) wakes the compiled call through the wake socket: the call stops (it
+    looks at the socket when it waits, and every millisecond while its bytes keep flowing, where a round that
+    finds the peer's frame already in the socket never waits) and hands its round to the engine, which finishes
+    the allreduce with the same result. ``tests/group/test_close_thread.py`` closes a group during such a call."""
+    from gradcoll.algorithms.ring import ring_allreduce
+    from gradcoll.testing import gather_ranks, threaded_group
+    from gradcoll.transport import tcp_rounds
+
+    ts = threaded_group(tcp.create, 2, timeout=20)
+    done: dict[int, tuple[int, int]] = {}
+    real = tcp_rounds.Runner.__call__
+
+    def spy(self: Any, *a: Any) -> int:
+        if self.t.rank == 0:
+            self.t._wake_driver()  # queued just as the call starts, as another thread's send would be
+        out = int(real(self, *a))
+        done[self.t.rank] = (out, self.n)
+        return out
+
+    monkeypatch.setattr(tcp_rounds.Runner, "__call__", spy)
+    rng = np.random.default_rng(7)
+    data = [rng.standard_normal(4 << 20) for _ in range(2)]  # 32 MiB: 16 segments a step, 32 rounds
+    bufs = [d.copy() for d in data]
+    try:
+        _, errors = gather_ranks(lambda r: ring_allreduce(ts[r], bufs[r], op="sum", seq=1, timeout=20), 2,
+                                 join_timeout=60)
+        assert errors == [None, None], errors
+        assert done[0][0] < done[0][1] and done[1][0] == done[1][1], done  # rank 0 stopped early, rank 1 did not
+        assert bufs[0].tobytes() == bufs[1].tobytes()
+        np.testing.assert_allclose(bufs[0], data[0] + data[1], rtol=1e-12)
+    finally:
+        for t in ts:
+            t.close()
