@@ -150,9 +150,8 @@ class MappedWindow(Window):
     ``r`` of ``fd`` held by rank ``r``'s process, 2 rank ``r``'s pid.
     ``release`` runs at ``close`` (unmapping, closing ``fd``). Every rank's
     pid must be in its header before the window is built (the creating
-    transport sees to it). ``crowd``: the ranks sharing this machine's cores,
-    this window's and other groups' (default ``size``); where they outnumber
-    the cores, waiters yield instead of spinning.
+    transport sees to it). ``crowd``: the ranks, of any group, sharing this machine's cores (default ``size``);
+    where they outnumber the cores, waiters yield instead of spinning.
     """
 
     def __init__(self, buf: Any, rank: int, size: int, *, probe: int = 0, fd: int = -1,
@@ -181,9 +180,7 @@ class MappedWindow(Window):
         self._address = self.u8.ctypes.data
         self._local = [int(self._pid[r]) == os.getpid() for r in range(size)]
         cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
-        # more ranks than cores (``crowd``: with the other groups' on this machine): a spinning rank takes a core
-        # from the one it waits for
-        crowded = max(size, crowd or 0) > cores
+        crowded = max(size, crowd or 0) > cores  # more ranks than cores: a spinner takes the core of the one it awaits
         self.spin_s = (0.0 if crowded else SPIN_S) if spin_s is None else spin_s
         self.yields = (8 if crowded else 0) if yields is None else yields
         self._c = _compiled()
