@@ -8,10 +8,14 @@ on every link. Every rank alternates the two algorithms per size (float32, mean)
 every rank's last call has; without the second barrier rank 0's loop ended before the others' and the ring
 measured up to 1.7x faster at 64 KiB than in ``benches/bench_tcp.py``); a size's time is rank 0's median loop. The predictions are the stored fitted models
 (``gradcoll/model/fitted.json``): the ring under the tcp model on 4 ranks sharing the machine's cores, the
-two-level allreduce as ``gradcoll.model.hierarchy`` composes it (``--cores``, default the CPUs here).
+two-level allreduce as ``gradcoll.model.hierarchy`` composes it (``--cores``, default the CPUs here): its steps
+inside a "host" through the shared window under the window's model, between the leaders under tcp's, plus its
+fixed cost per call and rank, which ``--fit`` fits to the run (least squares on the relative errors, the steps'
+terms held) and stores.
 
     python benches/bench_two_level.py --sizes 64K 64M
     python benches/bench_two_level.py --sizes 64K 64M --json benches/results/two_level_2x2.json
+    python benches/bench_two_level.py --sizes 4K 64M --fit
 """
 
 from __future__ import annotations
@@ -55,16 +59,50 @@ def worker(sizes: list[int], iters: int, repeats: int) -> None:
     g.close()
 
 
-def predictions(nbytes: int, cores: float) -> dict[str, float]:
+def predictions(nbytes: int, cores: float, frame_s: float) -> dict[str, float]:
     sys.path.insert(0, os.path.dirname(os.path.dirname(HERE)))
     from gradcoll.model import hierarchy
     from gradcoll.model.costmodel import Node, predict, stored_models
 
     models = stored_models()
-    tcp, shm = models["tcp"][0], models["shm"][0]
-    up, cross = hierarchy.node_split((2, 2), Node(4, cores))
-    return {"ring": predict("ring", 4, nbytes, tcp, node=Node(4, cores)) * 1e6,
-            "two_level": hierarchy.two_level_time((2, 2), nbytes, shm, tcp, node_up=up, node_cross=cross) * 1e6}
+    tcp, window = models["tcp"][0], models["window"][0]
+    node = Node(4, cores)
+    up, cross = hierarchy.node_split((2, 2), node, sleeping=True)  # a tcp group's steps inside a host: the window's
+    steps = hierarchy.two_level_time((2, 2), nbytes, window, tcp, node_up=up, node_cross=cross, intra="window_star")
+    return {"ring": predict("ring", 4, nbytes, tcp, node=node) * 1e6, "two_level_steps": steps * 1e6,
+            "frame": hierarchy.frame_time(frame_s, 4, node) * 1e6,
+            "two_level": (steps + hierarchy.frame_time(frame_s, 4, node)) * 1e6}
+
+
+def fit_frame(rows: list[dict], cores: float) -> float:
+    """The two-level allreduce's fixed CPU per call and rank (seconds) that fits ``rows`` best: least squares on
+    the relative errors, the steps' predictions held (``hierarchy.frame_s``)."""
+    sys.path.insert(0, os.path.dirname(os.path.dirname(HERE)))
+    from gradcoll.model import hierarchy
+    from gradcoll.model.costmodel import Node
+
+    k = hierarchy.frame_time(1.0, 4, Node(4, cores))  # seconds of the call per second of frame_s
+    num = den = 0.0
+    for r in rows:
+        m = r["two_level"] * 1e-6
+        p = predictions(r["size"], cores, 0.0)["two_level_steps"] * 1e-6
+        num += (1.0 - p / m) * (k / m)
+        den += (k / m) ** 2
+    return max(0.0, num / den)
+
+
+def store_frame(frame_s: float, rows: list[dict], cores: float) -> None:
+    sys.path.insert(0, os.path.dirname(os.path.dirname(HERE)))
+    from gradcoll.model import hierarchy
+    from gradcoll.model.costmodel import FITTED_PATH
+
+    with open(FITTED_PATH) as f:
+        doc = json.load(f)
+    doc[hierarchy.FRAME_KEY] = {"frame_s": frame_s, "generated_by": "python benches/bench_two_level.py --fit",
+                                "layout": [2, 2], "cores": cores, "sizes": [r["size"] for r in rows]}
+    with open(FITTED_PATH, "w") as f:
+        json.dump(doc, f, indent=2)
+        f.write("\n")
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -75,6 +113,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--cores", type=float, default=float(len(os.sched_getaffinity(0))),
                     help="cores the 4 ranks share, for the predictions (default: this machine's)")
     ap.add_argument("--json", dest="json_path", default=None, help="write the rows here")
+    ap.add_argument("--fit", action="store_true",
+                    help="fit the two-level allreduce's fixed cost per call to this run and store it in the model")
     ap.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
     a = ap.parse_args(argv)
     sys.path.insert(0, os.path.dirname(os.path.dirname(HERE)))
@@ -104,12 +144,19 @@ def main(argv: list[str] | None = None) -> int:
     if not all(r is not None and r.ok for r in results):
         print(sinks[0].getvalue()[-3000:] + sinks[1].getvalue()[-3000:], file=sys.stderr)
         return 1
+    from gradcoll.model import hierarchy
+
+    frame_s = hierarchy.stored_frame_s()
+    if a.fit:
+        frame_s = fit_frame(rows, a.cores)
+        store_frame(frame_s, rows, a.cores)
+        print(f"# fitted: the two-level allreduce's fixed cost {frame_s * 1e6:.1f} us per call and rank (stored)")
     print(f"# 4 ranks = 2 hosts x 2 (GRADCOLL_HOST) on {a.cores:g} cores; float32 mean; median us per call; "
-          "model: the stored fitted models")
+          f"model: the stored fitted models (two-level: the window's steps, {frame_s * 1e6:.1f} us a call and rank)")
     print("| size | ring us | two-level us | two-level / ring | ring model (err) | two-level model (err) |")
     print("|--:|--:|--:|--:|--:|--:|")
     for r in rows:
-        p = predictions(r["size"], a.cores)
+        p = predictions(r["size"], a.cores, frame_s)
         r["model"] = p
         s = r["size"]
         label = f"{s // 1024}K" if s < 1 << 20 else f"{s >> 20}M"

@@ -27,7 +27,7 @@ import sys
 import tempfile
 import threading
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from typing import Any
 
 MPI_HINT = "install Open MPI and mpi4py: pip install gradcoll[mpi]"
@@ -56,8 +56,12 @@ def _rank_main(fn: Callable[..., Any], rank: int, size: int, path: str, args: tu
         store.close()
 
 
-def spawn_ranks(fn: Callable[..., Any], size: int, *args: Any, timeout: float = 30.0) -> list[Any]:
-    """Run ``fn(store, rank, size, *args)`` in ``size`` processes; return the results by rank."""
+def spawn_ranks(fn: Callable[..., Any], size: int, *args: Any, timeout: float = 30.0,
+                dead: Sequence[int] = ()) -> list[Any]:
+    """Run ``fn(store, rank, size, *args)`` in ``size`` processes; return the results by rank.
+
+    The ranks in ``dead`` are expected to die (their result is None, and one they give anyway fails the run).
+    """
     ctx = multiprocessing.get_context("spawn")
     results = ctx.Queue()
     with tempfile.TemporaryDirectory(prefix="gradcoll-test-") as tmp:
@@ -67,8 +71,10 @@ def spawn_ranks(fn: Callable[..., Any], size: int, *args: Any, timeout: float = 
             p.start()
         out: dict[int, Any] = {}
         try:
-            for _ in range(size):
+            for _ in range(size - len(set(dead))):
                 rank, status, value = results.get(timeout=timeout)
+                if rank in dead:
+                    raise AssertionError(f"rank {rank} was to die but gave a result: {value}")
                 if status != "ok":
                     raise AssertionError(f"rank {rank} failed: {value}")
                 out[rank] = value
@@ -80,7 +86,7 @@ def spawn_ranks(fn: Callable[..., Any], size: int, *args: Any, timeout: float = 
                 if p.is_alive():
                     p.kill()
                     p.join(5)
-    return [out[r] for r in range(size)]
+    return [out.get(r) for r in range(size)]
 
 
 def mpi_skip_reason() -> str | None:

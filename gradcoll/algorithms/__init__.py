@@ -91,6 +91,9 @@ SEARCH_BYTES = (64, 1 << 30)
 DEFAULT_TRANSPORT = "shm"
 #: The stored model of the links inside a host, for the two-level allreduce's first and last steps.
 LOCAL_TRANSPORT = "shm"
+#: The stored model of the shared window (``gradcoll.model.window_model.WINDOW_MODEL``): a tcp group's two-level
+#: steps inside a host.
+WINDOW_TRANSPORT = "window"
 
 
 @functools.lru_cache(maxsize=1024)
@@ -106,8 +109,9 @@ def auto_thresholds(size: int, transport: str | None = None,
     when measured; beyond it every rank has a core of its own. ``layout``
     (ranks per host, see ``gradcoll.model.hierarchy``) adds the two-level
     allreduce where it spans several hosts with several ranks on one: its
-    steps inside a host under the shm model, between the leaders under the
-    transport's.
+    steps inside a host under the shm model (a tcp group's: through the
+    shared window, under the window's model), between the leaders under the
+    transport's, plus its fixed cost per call (``hierarchy.stored_frame_s``).
     """
     models = stored_models()
     model, cores, max_ranks = models.get(transport or DEFAULT_TRANSPORT) or models[DEFAULT_TRANSPORT]
@@ -116,11 +120,16 @@ def auto_thresholds(size: int, transport: str | None = None,
     node = Node(size, cores) if cores is not None and size <= max_ranks else None
     lo, hi = SEARCH_BYTES
     if layout is not None and sum(layout) == size and hierarchy.eligible(layout):
-        local = models.get(LOCAL_TRANSPORT, models[DEFAULT_TRANSPORT])[0]
-        up, cross = hierarchy.node_split(layout, node)
+        # a tcp group's steps inside a host go through one shared window per host, others' by messages
+        windowed = transport == "tcp" and WINDOW_TRANSPORT in models
+        local = models[WINDOW_TRANSPORT if windowed else LOCAL_TRANSPORT if LOCAL_TRANSPORT in models
+                       else DEFAULT_TRANSPORT][0]
+        up, cross = hierarchy.node_split(layout, node, sleeping=windowed)
+        intra, frame_s = ("window_star" if windowed else "star"), hierarchy.stored_frame_s()
 
         def choose(nbytes: int) -> str:
-            return hierarchy.pick(layout, nbytes, local, model, node=node, node_up=up, node_cross=cross)
+            return hierarchy.pick(layout, nbytes, local, model, node=node, node_up=up, node_cross=cross,
+                                  intra=intra, frame_s=frame_s)
 
         return ((0, choose(lo)),) + tuple((at, after) for at, _, after in hierarchy.crossovers(choose, lo, hi))
     out = [(0, best(size, lo, model, node=node))]

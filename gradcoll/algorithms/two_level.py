@@ -46,6 +46,7 @@ import numpy as np
 from ..errors import UsageError
 from ..transport.base import Request, Transport
 from ..transport.plan import set_tags
+from . import _two_level_window as _win
 from . import tags
 from ._common import TRANSLATED, Coll, Options, Workspace, plant, scratch
 from ._guard import ERRORS, LEAN_DTYPES, first_marker, guarded_allreduce
@@ -72,7 +73,7 @@ def host_layout(hosts: Sequence[Hashable]) -> list[list[int]]:
 def two_level_allreduce(transport: Transport, buf: np.ndarray, *, hosts: Sequence[Hashable] | None = None, op: str = "mean",
                         check_finite: bool = True, seq: int = 0, timeout: float | None = None,
                         workspace: Workspace | None = None, backend: str | None = None, cross: str = "ring",
-                        segment_bytes: int = SEGMENT_BYTES, intra: str = "star") -> np.ndarray:
+                        segment_bytes: int = SEGMENT_BYTES, intra: str = "auto") -> np.ndarray:
     """Allreduce ``buf`` in place: inside each host of ``hosts``, between the host leaders, back; returns ``buf``.
 
     ``hosts`` labels each rank's host (None: every rank on one host, which makes it a star allreduce).
@@ -83,8 +84,13 @@ def two_level_allreduce(transport: Transport, buf: np.ndarray, *, hosts: Sequenc
         raise UsageError(f"rank {transport.rank}: hosts names {len(hosts)} ranks, the group has {transport.size}")
     if cross not in CROSS:
         raise UsageError(f"cross must be one of {', '.join(CROSS)}; got {cross!r}")
-    if intra not in INTRA:
-        raise UsageError(f"intra must be one of {', '.join(INTRA)}; got {intra!r}")
+    if intra not in INTRA and intra != "auto":
+        raise UsageError(f"intra must be auto or one of {', '.join(INTRA)}; got {intra!r}")
+    if intra == "auto":
+        intra = "window" if _win.available(transport) else "star"
+    elif intra == "window" and not _win.available(transport):
+        raise UsageError(f"rank {transport.rank}: intra='window' needs a group that reaches its host's ranks through "
+                         f"shared memory (a tcp group's same-host links); the {transport.name} transport does not")
     layout = host_layout(hosts)
     reduce_up, broadcast_down = INTRA[intra]
 
@@ -93,16 +99,21 @@ def two_level_allreduce(transport: Transport, buf: np.ndarray, *, hosts: Sequenc
         multi = len(layout) > 1
         coll.begin(3)
         coll.step = 1
-        reduce_up(coll, flat, dataclasses.replace(opts, op=_up_op(opts.op, multi)), members)
-        if coll.rank == members[0] and multi:
-            coll.step = 2
-            leaders = Leaders(coll, [m[0] for m in layout])
-            CROSS[cross](leaders, flat, opts, segment_bytes, coll.size)
-            bad = first_marker(leaders, flat) if opts.check_finite and flat.size else None
-            if bad is not None and math.isfinite(flat[0]):
-                plant(flat)  # where every member looks for it (``coll.marks`` stays at element 0)
-        coll.step = 3
-        broadcast_down(coll, flat, members)
+        try:
+            reduce_up(coll, flat, dataclasses.replace(opts, op=_up_op(opts.op, multi)), members)
+            if coll.rank == members[0] and multi:
+                coll.step = 2
+                leaders = Leaders(coll, [m[0] for m in layout])
+                CROSS[cross](leaders, flat, opts, segment_bytes, coll.size)
+                bad = first_marker(leaders, flat) if opts.check_finite and flat.size else None
+                if bad is not None and math.isfinite(flat[0]):
+                    plant(flat)  # where every member looks for it (``coll.marks`` stays at element 0)
+            coll.step = 3
+            broadcast_down(coll, flat, members)
+        except Exception as exc:
+            if intra == "window":
+                _win.raise_alarm(coll, exc)  # the host's ranks waiting on the window wake at once
+            raise
 
     return guarded_allreduce(transport, buf, Options(op, check_finite, seq, timeout, workspace, backend),
                              name="two-level allreduce", algo="two_level", body=body)
@@ -247,5 +258,7 @@ def star_down(coll: Coll, flat: np.ndarray, members: list[int]) -> None:
         coll.wait(req, p)
 
 
-#: Steps 1 and 3 by name (``intra=``): ``"star"`` sends messages through the transport's same-host links.
-INTRA: dict[str, IntraStep] = {"star": (star_up, star_down)}
+#: Steps 1 and 3 by name (``intra=``): ``"star"`` sends messages through the transport's same-host links,
+#: ``"window"`` goes through one shared window per host (``gradcoll.algorithms._two_level_window``); ``"auto"`` (the
+#: default) takes the window wherever the transport routes the host through shared memory.
+INTRA: dict[str, IntraStep] = {"star": (star_up, star_down), "window": (_win.window_up, _win.window_down)}

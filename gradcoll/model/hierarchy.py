@@ -10,7 +10,16 @@ steps, and its time their sum:
 * between the ``H`` leaders: the better of the ring and recursive doubling
   on ``H`` ranks under the *network* model, while the other ranks wait.
 
-So ``two_level(S) = star(L, S; local) + min(ring, rd)(H, S; net)``.
+So ``two_level(S) = star(L, S; local) + min(ring, rd)(H, S; net)``. A tcp
+group runs steps 1 and 3 through one shared window per host
+(``intra="window_star"``, ``costmodel.work``'s terms: every rank copies its
+buffer into its slot, the leader adds the slots and copies the result into
+its own, the members copy it out; two publish-and-wait latencies) under the
+window's model, and its members sleep in the kernel while the leaders work
+(``node_split(..., sleeping=True)``). ``frame_s`` adds the call's fixed cost
+outside the transports (the guarded frame, the three steps' bookkeeping), a
+rank's CPU, times the ranks sharing a core: ``benches/bench_two_level.py
+--fit`` measures it and stores it (``stored_frame_s``).
 [`two_level_time`][gradcoll.model.hierarchy.two_level_time] computes it
 with the closed forms of ``gradcoll.model.costmodel``; ``node_up`` and
 ``node_cross`` are the ``Node`` (ranks sharing cores) each step runs on.
@@ -43,13 +52,20 @@ host and more than one rank on some host.
 
 from __future__ import annotations
 
+import json
 import math
 from collections.abc import Callable, Sequence
 
 from ..errors import UsageError
-from .costmodel import ALGORITHMS, AlphaBeta, Node, best, predict
+from .costmodel import ALGORITHMS, FITTED_PATH, AlphaBeta, Node, best, predict
 
-__all__ = ["two_level_time", "step_times", "flat_time", "pick", "crossovers", "eligible", "node_split", "CROSS"]
+__all__ = ["two_level_time", "step_times", "flat_time", "pick", "crossovers", "eligible", "node_split", "CROSS",
+           "INTRA", "FRAME_KEY", "stored_frame_s", "frame_time"]
+
+#: How steps 1 and 3 move the bytes (``costmodel.work``'s names): messages, or one shared window per host.
+INTRA = ("star", "window_star")
+#: Where ``fitted.json`` keeps the two-level allreduce's fixed cost per call (``{"frame_s": ..., ...}``).
+FRAME_KEY = "two_level"
 
 #: The algorithms the leaders may run between hosts.
 CROSS = ("ring", "recursive_doubling")
@@ -60,27 +76,48 @@ def eligible(layout: Sequence[int]) -> bool:
     return len(layout) > 1 and max(layout) > 1
 
 
-def node_split(layout: Sequence[int], node: Node | None) -> tuple[Node | None, Node | None]:
+def node_split(layout: Sequence[int], node: Node | None, *, sleeping: bool = False) -> tuple[Node | None,
+                                                                                           Node | None]:
     """The nodes of the two-level steps when every rank of ``layout`` shares ``node``'s cores (one machine).
 
     Inside the hosts, the ``H`` hosts' steps run at once, so each host's ``L``
     ranks get ``L / n`` of the cores. Between the hosts, the ``H`` leaders get
-    ``H / n`` of them too: the other ranks, waiting for the result, keep
-    polling their links (measured on 2 "hosts" x 2 ranks on 2 cores, the
-    leaders' exchange of 64 KiB took 255-427 us against 30 us for 2 ranks
-    alone). ``None`` (a core per rank) stays None.
+    ``H / n`` of them too where the other ranks, waiting for the result, keep
+    polling their links (steps 1 and 3 by messages: measured on 2 "hosts" x 2
+    ranks on 2 cores, the leaders' exchange of 64 KiB took 255-427 us against
+    30 us for 2 ranks alone); with ``sleeping`` (the window's steps, whose
+    waiters sleep in the kernel) the leaders have the node's cores. ``None``
+    (a core per rank) stays None.
     """
     if node is None:
         return None, None
     n = sum(layout)
-    return Node(max(layout), node.cores * max(layout) / n), Node(len(layout), node.cores * len(layout) / n)
+    cross = node.cores if sleeping else node.cores * len(layout) / n
+    return Node(max(layout), node.cores * max(layout) / n), Node(len(layout), cross)
+
+
+def stored_frame_s(path: str = FITTED_PATH) -> float:
+    """The two-level allreduce's fixed CPU per call and rank stored by ``benches/bench_two_level.py --fit`` (0: none)."""
+    try:
+        with open(path) as f:
+            return float(json.load(f).get(FRAME_KEY, {}).get("frame_s", 0.0))
+    except (OSError, ValueError, AttributeError):
+        return 0.0
+
+
+def frame_time(frame_s: float, n: int, node: Node | None) -> float:
+    """``frame_s`` of every rank, on the cores the ``n`` ranks share (``node``; None: a core each)."""
+    return frame_s * (max(1.0, min(node.ranks, n) / node.cores) if node is not None else 1.0)
 
 
 def step_times(layout: Sequence[int], nbytes: float, local: AlphaBeta, net: AlphaBeta, *,
-               node_up: Node | None = None, node_cross: Node | None = None) -> tuple[float, float, str]:
+               node_up: Node | None = None, node_cross: Node | None = None,
+               intra: str = "star") -> tuple[float, float, str]:
     """(inside the hosts, between the leaders, the leaders' algorithm) of the two-level allreduce."""
+    if intra not in INTRA:
+        raise UsageError(f"intra must be one of {', '.join(INTRA)}; got {intra!r}")
     hosts, per_host = len(layout), max(layout)
-    inside = predict("star", per_host, nbytes, local, node=node_up) if per_host > 1 else 0.0
+    inside = predict(intra, per_host, nbytes, local, node=node_up) if per_host > 1 else 0.0
     if hosts == 1:
         return inside, 0.0, "ring"
     cross = best(hosts, nbytes, net, CROSS, node=node_cross)
@@ -88,20 +125,25 @@ def step_times(layout: Sequence[int], nbytes: float, local: AlphaBeta, net: Alph
 
 
 def two_level_time(layout: Sequence[int], nbytes: float, local: AlphaBeta, net: AlphaBeta, *,
-                   node_up: Node | None = None, node_cross: Node | None = None) -> float:
-    """Predicted seconds of one two-level allreduce of ``nbytes`` over ``layout`` (see the module doc)."""
-    inside, cross, _ = step_times(layout, nbytes, local, net, node_up=node_up, node_cross=node_cross)
-    return inside + cross
+                   node_up: Node | None = None, node_cross: Node | None = None, intra: str = "star",
+                   frame_s: float = 0.0, node: Node | None = None) -> float:
+    """Predicted seconds of one two-level allreduce of ``nbytes`` over ``layout`` (see the module doc).
+
+    ``frame_s``: the fixed CPU per call and rank, on ``node``'s cores (``frame_time``)."""
+    inside, cross, _ = step_times(layout, nbytes, local, net, node_up=node_up, node_cross=node_cross, intra=intra)
+    return inside + cross + frame_time(frame_s, sum(layout), node)
 
 
 def pick(layout: Sequence[int], nbytes: float, local: AlphaBeta, net: AlphaBeta, *, node: Node | None = None,
-         node_up: Node | None = None, node_cross: Node | None = None) -> str:
+         node_up: Node | None = None, node_cross: Node | None = None, intra: str = "star",
+         frame_s: float = 0.0) -> str:
     """The fastest of the flat algorithms (under ``net``, on ``node``) and ``"two_level"`` for ``layout``."""
     n = sum(layout)
     flat = best(n, nbytes, net, ALGORITHMS, node=node)
     if not eligible(layout):
         return flat
-    t2 = two_level_time(layout, nbytes, local, net, node_up=node_up, node_cross=node_cross)
+    t2 = two_level_time(layout, nbytes, local, net, node_up=node_up, node_cross=node_cross, intra=intra,
+                        frame_s=frame_s, node=node)
     return "two_level" if t2 < predict(flat, n, nbytes, net, node=node) else flat
 
 

@@ -13,12 +13,18 @@ from typing import NamedTuple
 
 from ..errors import UsageError
 
-__all__ = ["ALGORITHMS", "DIRECT_MODES", "L2_COPIES", "Work", "work", "terms", "out_of_l2", "halving_out_of_l2"]
+__all__ = ["ALGORITHMS", "DIRECT_MODES", "HOST_STEPS", "WINDOW_PIECE_BYTES", "L2_COPIES", "Work", "work", "terms", "out_of_l2", "halving_out_of_l2"]
 
 #: The algorithms over links the model covers (``algorithm="auto"`` chooses among them where memory is not shared).
 ALGORITHMS = ("ring", "star", "recursive_doubling", "halving_doubling")
 #: The two schedules of the direct allreduce over a shared window (``gradcoll.algorithms.direct``).
 DIRECT_MODES = ("direct_one_shot", "direct_two_shot")
+
+#: The two-level allreduce's steps inside a host (up to the leader and back), by how they move the bytes: ``star``
+#: by messages, ``window_star`` through one shared window per host (``gradcoll.algorithms._two_level_window``).
+HOST_STEPS = ("star", "window_star")
+#: The pieces ``window_star`` moves a buffer in (``_two_level_window.PIECE_BYTES``).
+WINDOW_PIECE_BYTES = 1 << 20
 
 #: A rank's per-core working set per message: the message in its user buffer and in the transport's buffer
 #: (socket buffer, shm segment), for the message it sends and the one it receives.
@@ -102,7 +108,11 @@ def work(algorithm: str, n: int, nbytes: float) -> Work:
     if algorithm == "direct_two_shot":  # copy the others' shares in, sync, reduce a 1/n share, sync, copy all out
         c = s / n
         return Work(2.0, 0.0, (n - 1) * c, (2.0 * n - 1) * c, (n - 1) * c, (2.0 * n - 1) * c, 0.0, c)
-    raise UsageError(f"unknown algorithm {algorithm!r}; the model covers {', '.join(ALGORITHMS + DIRECT_MODES)}")
+    if algorithm == "window_star":  # every rank copies in, one sync, the leader adds the L slots, copies the result
+        # out, one sync, the members copy it out: the leader's copies and its sum, then a member's copy out
+        return Work(2.0, 0.0, (n - 1) * s, 3.0 * s, 0.0, 2.0 * s, s, min(s, WINDOW_PIECE_BYTES))
+    raise UsageError(f"unknown algorithm {algorithm!r}; the model covers "
+                     f"{', '.join(ALGORITHMS + DIRECT_MODES + HOST_STEPS[1:])}")
 
 
 def terms(algorithm: str, n: int, nbytes: float) -> tuple[float, float, float]:

@@ -226,3 +226,39 @@ def test_two_hosts_of_two_ranks_over_tcp(tmp_path: Any) -> None:
     doc = json.loads((tmp_path / "run.rank2.json").read_text())
     assert doc["otherData"]["gradcoll"]["hosts"] == list(layout)
     assert any(e.get("args", {}).get("name") == "rank 2 @ hostB" for e in doc["traceEvents"])
+
+
+def _two_hosts_one_dies(store: Any, rank: int, size: int, victim: int) -> Any:
+    import time
+
+    from gradcoll.algorithms import two_level
+
+    os.environ[HOST_VAR] = "hostA" if rank < size // 2 else "hostB"
+    g = init_process_group("tcp", store=store, rank=rank, world_size=size, timeout=5, stall_warning_s=None)
+    x = np.full(3 << 18, float(rank), np.float32)  # 3 MiB: three pieces through the host's window
+    g.allreduce(x, algorithm="two_level")
+    assert float(x[0]) == 1.5 and g._routed is not None and g._routed.name == "tcp+shm"
+    if rank == victim:  # dies as its second call starts: its peers are inside the collective, waiting for it
+        up, down = two_level.INTRA["window"]
+
+        def die(*a: Any) -> None:
+            os._exit(1)
+
+        two_level.INTRA["window"] = (die, down)
+    t0 = time.monotonic()
+    try:
+        g.allreduce(x, algorithm="two_level")
+    except gradcoll.GradcollError as exc:
+        return type(exc).__name__, str(exc), time.monotonic() - t0
+    return "no error", "", time.monotonic() - t0
+
+
+@pytest.mark.parametrize("victim", [1, 2])  # a member (its leader waits on the window), a leader (step 2, step 3)
+def test_a_rank_killed_inside_the_window_steps_is_named_on_every_survivor(victim: int) -> None:
+    res = spawn_ranks(_two_hosts_one_dies, 4, victim, timeout=90, dead=[victim])
+    for r, out in enumerate(res):
+        if r == victim:
+            continue
+        kind, text, took = out
+        assert kind == "TransportBroken" and f"rank {victim} died during two-level allreduce" in text, (r, out)
+        assert took < 5 + 3, (r, out)  # within the call's timeout and the error path's grace

@@ -53,13 +53,41 @@ def test_one_host_or_one_rank_per_host_is_not_two_level() -> None:
 def test_auto_with_a_layout_is_the_models_choice(layout: tuple[int, ...]) -> None:
     models = stored_models()
     net, cores, max_ranks = models["tcp"]
-    local = models["shm"][0]
+    local = models["window"][0]  # a tcp group's steps inside a host go through the shared window
     n = sum(layout)
     node = hierarchy.Node(n, cores) if cores is not None and n <= max_ranks else None
-    up, cross = hierarchy.node_split(layout, node)
+    up, cross = hierarchy.node_split(layout, node, sleeping=True)
     table = auto_thresholds(n, "tcp", layout)
     assert table[0][0] == 0 and all(a[0] < b[0] for a, b in zip(table, table[1:], strict=False))
+    frame_s = hierarchy.stored_frame_s()
     for nbytes in (64, 4096, 1 << 16, 1 << 20, 1 << 24, 1 << 28):
-        want = hierarchy.pick(layout, nbytes, local, net, node=node, node_up=up, node_cross=cross)
+        want = hierarchy.pick(layout, nbytes, local, net, node=node, node_up=up, node_cross=cross,
+                              intra="window_star", frame_s=frame_s)
         assert select_allreduce(nbytes, n, "tcp", layout=layout) == want, nbytes
     assert select_allreduce(1 << 20, n, "tcp") != "two_level"  # no layout, no two-level
+
+
+def test_the_window_steps_terms_and_the_frame() -> None:
+    from gradcoll.model.costmodel import Node, work
+
+    s = float(1 << 22)
+    w = work("window_star", 4, s)  # every rank copies in, the leader adds 4 slots and copies out, members copy out
+    assert (w.messages, w.link_bytes, w.reduced, w.copied, w.other_copied) == (2.0, 0.0, 3 * s, 3 * s, 2 * s)
+    assert w.message == 1 << 20  # the pieces the window moves the buffer in
+    node = Node(4, 2.0)
+    assert hierarchy.node_split((2, 2), node) == (Node(2, 1.0), Node(2, 1.0))
+    assert hierarchy.node_split((2, 2), node, sleeping=True) == (Node(2, 1.0), Node(2, 2.0))
+    assert hierarchy.frame_time(1e-5, 4, node) == pytest.approx(2e-5) and hierarchy.frame_time(1e-5, 4, None) == 1e-5
+    base = hierarchy.two_level_time((2, 2), s, LOCAL, NET, intra="window_star")
+    assert hierarchy.two_level_time((2, 2), s, LOCAL, NET, intra="window_star", frame_s=1e-5) == pytest.approx(base + 1e-5)
+    assert base < hierarchy.two_level_time((2, 2), s, LOCAL, NET)  # fewer copies than the star's messages
+    with pytest.raises(Exception, match="intra must be one of"):
+        hierarchy.step_times((2, 2), s, LOCAL, NET, intra="ring")
+    assert hierarchy.stored_frame_s() > 0  # benches/bench_two_level.py --fit stored it
+
+
+def test_the_window_piece_size_is_the_algorithms() -> None:
+    from gradcoll.algorithms._two_level_window import PIECE_BYTES
+    from gradcoll.model.work import WINDOW_PIECE_BYTES
+
+    assert PIECE_BYTES == WINDOW_PIECE_BYTES
