@@ -28,10 +28,14 @@ must reach every rank: for a group over tcp that is a
 ``gradcoll.transport.routed.RoutedTransport``, which takes a host's peers
 through shared memory, so steps 1 and 3 never touch a socket, and the error
 path still reaches every rank. Steps 1 and 3 are one pluggable pair
-(``INTRA``, chosen by ``intra=``): the place where a shared-memory window
-(the members reduce straight into one buffer) replaces the messages. An
-overflow in a leader's step 2 is planted at element 0 before step 3, so
-every member finds the marker there. See docs/algorithms/two_level.md.
+(``INTRA``, chosen by ``intra=``): ``"star"``, the messages above, or
+``"window"``, one shared window per host (``_two_level_window``: every rank
+copies its buffer into its slot, the leader adds the slots straight into its
+buffer and copies the result into its own slot, the members copy it out; no
+per-pair ring, and waiters sleep in the kernel). ``"auto"`` (the default)
+takes the window wherever the transport routes the host through shared
+memory. An overflow in a leader's step 2 is planted at element 0 before
+step 3, so every member finds the marker there. See docs/algorithms/two_level.md.
 """
 
 from __future__ import annotations
