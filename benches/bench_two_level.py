@@ -33,11 +33,15 @@ import numpy as np
 HERE = os.path.abspath(__file__)
 TAG = "@@two-level "
 ALGOS = ("ring", "two_level")
+PIN_VAR = "GRADCOLL_BENCH_CPUS"
 
 
 def worker(sizes: list[int], iters: int, repeats: int) -> None:
     import gradcoll
 
+    cpus = os.environ.get(PIN_VAR)
+    if cpus:  # this "host"'s own cores (--pin)
+        os.sched_setaffinity(0, {int(c) for c in cpus.split(",")})
     g = gradcoll.init_process_group("tcp", "env://", timeout=120, stall_warning_s=None)
     for nbytes in sizes:
         buf = np.ones(nbytes // 4, np.float32)
@@ -113,6 +117,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--cores", type=float, default=float(len(os.sched_getaffinity(0))),
                     help="cores the 4 ranks share, for the predictions (default: this machine's)")
     ap.add_argument("--json", dest="json_path", default=None, help="write the rows here")
+    ap.add_argument("--pin", action="store_true",
+                    help="give each \"host\" half of this machine's cores, as real hosts have cores of their own")
     ap.add_argument("--fit", action="store_true",
                     help="fit the two-level allreduce's fixed cost per call to this run and store it in the model")
     ap.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
@@ -131,8 +137,14 @@ def main(argv: list[str] | None = None) -> int:
     cmd = [sys.executable, HERE, "--worker", "--sizes", *a.sizes, "--iters", str(a.iters), "--repeats", str(a.repeats)]
     port, sinks, results = free_port(), [io.StringIO(), io.StringIO()], [None, None]
 
+    mine = sorted(os.sched_getaffinity(0))
+    halves = [mine[: max(1, len(mine) // 2)], mine[len(mine) // 2:] or mine]
+
     def node(k: int) -> None:
-        results[k] = launch(cmd, 2, nnodes=2, node_rank=k, master_port=port, env={"GRADCOLL_HOST": f"host{k}"},
+        env = {"GRADCOLL_HOST": f"host{k}"}
+        if a.pin:
+            env[PIN_VAR] = ",".join(map(str, halves[k]))
+        results[k] = launch(cmd, 2, nnodes=2, node_rank=k, master_port=port, env=env,
                             prefix=False, out=sinks[k], timeout=3600)
 
     threads = [threading.Thread(target=node, args=(k,)) for k in range(2)]
