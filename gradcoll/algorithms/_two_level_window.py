@@ -74,9 +74,11 @@ class _Host:
 _HOSTS: weakref.WeakKeyDictionary[Transport, _Host] = weakref.WeakKeyDictionary()
 
 
-def available(t: Transport) -> bool:
-    """Whether ``t`` reaches this host's ranks through a transport that maps shared windows."""
-    return isinstance(t, RoutedTransport) and bool(t.local.shared_memory)
+def available(t: Transport, members: list[int] | None = None) -> bool:
+    """Whether ``t`` reaches this host's ranks (``members``, this rank's host in the layout the call was given;
+    None: any) through a transport that maps shared windows."""
+    return isinstance(t, RoutedTransport) and bool(t.local.shared_memory) and (members is None or
+                                                                               list(members) == t.members)
 
 
 def _host(coll: Coll) -> tuple[RoutedTransport, _Host]:

@@ -90,12 +90,14 @@ def two_level_allreduce(transport: Transport, buf: np.ndarray, *, hosts: Sequenc
         raise UsageError(f"cross must be one of {', '.join(CROSS)}; got {cross!r}")
     if intra not in INTRA and intra != "auto":
         raise UsageError(f"intra must be auto or one of {', '.join(INTRA)}; got {intra!r}")
-    if intra == "auto":
-        intra = "window" if _win.available(transport) else "star"
-    elif intra == "window" and not _win.available(transport):
-        raise UsageError(f"rank {transport.rank}: intra='window' needs a group that reaches its host's ranks through "
-                         f"shared memory (a tcp group's same-host links); the {transport.name} transport does not")
     layout = host_layout(hosts)
+    windowed = _win.available(transport, next(m for m in layout if transport.rank in m))
+    if intra == "auto":
+        intra = "window" if windowed else "star"
+    elif intra == "window" and not windowed:
+        raise UsageError(f"rank {transport.rank}: intra='window' needs a group that reaches its host's ranks through "
+                         f"shared memory (a tcp group's same-host links, over the hosts given); the "
+                         f"{transport.name} transport does not")
     reduce_up, broadcast_down = INTRA[intra]
 
     def body(coll: Coll, flat: np.ndarray, opts: Options) -> None:

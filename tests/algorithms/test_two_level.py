@@ -191,3 +191,14 @@ def test_a_member_with_another_count_is_a_mismatch_naming_it_on_every_rank() -> 
     _, errors = run(hosts, rank, intra="window")
     assert all(isinstance(e, CollectiveMismatch) for e in errors), errors
     assert all("rank 3" in str(e) for e in errors), errors
+
+
+def test_hosts_other_than_the_routes_take_the_messages() -> None:
+    """A routed transport whose hosts differ from the call's: the window would hold the wrong ranks."""
+    ts = routed_world(LAYOUTS["2x2"], 5.0)
+    other = ["a", "b", "a", "b"]
+    with pytest.raises(UsageError, match="intra='window' needs"):
+        two_level_allreduce(ts[0], np.ones(4, np.float32), hosts=other, intra="window")
+    bufs = [np.full(50, r, np.float64) for r in range(4)]
+    _, errors = gather_ranks(lambda r: two_level_allreduce(ts[r], bufs[r], hosts=other, op="sum"), 4)
+    assert errors == [None] * 4 and all((b == 6).all() for b in bufs)
