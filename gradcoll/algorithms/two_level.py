@@ -81,6 +81,9 @@ def two_level_allreduce(transport: Transport, buf: np.ndarray, *, hosts: Sequenc
     """Allreduce ``buf`` in place: inside each host of ``hosts``, between the host leaders, back; returns ``buf``.
 
     ``hosts`` labels each rank's host (None: every rank on one host, which makes it a star allreduce).
+    ``cross``: the leaders' algorithm (``CROSS``). ``intra``: how steps 1 and 3 move the bytes (``INTRA``):
+    ``"window"`` through one shared window per host, where ``transport`` routes this rank's host (as given by
+    ``hosts``) through shared memory; ``"star"`` by messages; ``"auto"`` the window where it can.
     """
     if hosts is None:
         hosts = [0] * transport.size
