@@ -12,6 +12,8 @@ stdout, one ``@@ {json}`` line per event, and takes commands on stdin:
 3. on ``shrink``: ``shrunk`` with the new group's size after one exact
    allreduce on it; on ``regroup``: the same through a fresh
    ``init_process_group`` (``MASTER_PORT`` + 1).
+
+Every allreduce runs ``NETNS_ALGORITHM`` (default ``auto``).
 """
 
 from __future__ import annotations
@@ -40,7 +42,7 @@ def contribution(rank: int, i: int, n: int) -> np.ndarray:
 
 def check(g: gradcoll.ProcessGroup, n: int, i: int, ranks: list[int]) -> bool:
     x = contribution(ranks[g.rank], i, n)
-    g.allreduce(x, op="sum")
+    g.allreduce(x, op="sum", algorithm=os.environ.get("NETNS_ALGORITHM", "auto"))
     want = np.arange(n, dtype=np.float64) % 1000 * sum(r + 1 for r in ranks) + i * len(ranks)
     return bool(np.array_equal(x, want))
 

@@ -42,7 +42,7 @@ def netns_ok() -> None:
         pytest.skip(why)
 
 
-def start(net: Netns, per_host: int, timeout: float = 30.0) -> tuple[dict[int, Any], Lines]:
+def start(net: Netns, per_host: int, timeout: float = 30.0, algorithm: str = "auto") -> tuple[dict[int, Any], Lines]:
     size = net.hosts * per_host
     port = free_port()
     procs = {}
@@ -50,7 +50,8 @@ def start(net: Netns, per_host: int, timeout: float = 30.0) -> tuple[dict[int, A
         h = r // per_host
         env = {"RANK": str(r), "WORLD_SIZE": str(size), "MASTER_ADDR": net.addr(0), "MASTER_PORT": str(port),
                "GRADCOLL_HOST": net.ns(h), "NETNS_ADDR": net.addr(h), "NETNS_TIMEOUT": str(timeout),
-               "NETNS_LINK_TIMEOUT": str(LINK_TIMEOUT), "NETNS_HEARTBEAT": str(HEARTBEAT), "PYTHONUNBUFFERED": "1"}
+               "NETNS_LINK_TIMEOUT": str(LINK_TIMEOUT), "NETNS_HEARTBEAT": str(HEARTBEAT), "PYTHONUNBUFFERED": "1",
+               "NETNS_ALGORITHM": algorithm}
         procs[r] = net.popen(h, [sys.executable, RANK], env)
     return procs, Lines(procs)
 
@@ -67,9 +68,10 @@ def tell(procs: dict[int, Any], command: str) -> None:
 
 
 @pytest.mark.usefixtures("netns_ok")
-def test_allreduce_across_namespaces_is_exact() -> None:
+@pytest.mark.parametrize("algorithm", ["auto", "two_level"])  # two_level: each namespace's ranks share a window
+def test_allreduce_across_namespaces_is_exact(algorithm: str) -> None:
     with Netns(2) as net:
-        procs, lines = start(net, 2)
+        procs, lines = start(net, 2, algorithm=algorithm)
         ready = events(lines, "ready", 4, 120)
         assert all(e["hosts"] == [net.ns(0)] * 2 + [net.ns(1)] * 2 for e in ready.values())
         assert all(e["ok"] for e in events(lines, "exact", 4, 60).values())
@@ -79,10 +81,10 @@ def test_allreduce_across_namespaces_is_exact() -> None:
 
 
 @pytest.mark.usefixtures("netns_ok")
-@pytest.mark.parametrize("recover", ["shrink", "regroup"])
-def test_a_pulled_cable_is_found_on_every_rank_then_the_ranks_regroup(recover: str) -> None:
+@pytest.mark.parametrize(("recover", "algorithm"), [("shrink", "auto"), ("regroup", "auto"), ("shrink", "two_level")])
+def test_a_pulled_cable_is_found_on_every_rank_then_the_ranks_regroup(recover: str, algorithm: str) -> None:
     with Netns(3) as net:
-        procs, lines = start(net, 2)
+        procs, lines = start(net, 2, algorithm=algorithm)
         events(lines, "exact", 6, 120)
         tell(procs, "go")
         events(lines, "looping", 6, 60)
