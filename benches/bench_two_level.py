@@ -105,7 +105,7 @@ def store_frame(frame_s: float, rows: list[dict], cores: float) -> None:
     doc[hierarchy.FRAME_KEY] = {"frame_s": frame_s, "generated_by": "python benches/bench_two_level.py --fit",
                                 "layout": [2, 2], "cores": cores, "sizes": [r["size"] for r in rows]}
     with open(FITTED_PATH, "w") as f:
-        json.dump(doc, f, indent=2)
+        json.dump(doc, f, indent=1)  # as benches/fit_costmodel.py writes it
         f.write("\n")
 
 

@@ -334,16 +334,17 @@ def main() -> int:
     if a.json_path:
         with open(a.json_path, "w") as f:
             json.dump(res, f, indent=1)
-    if a.write:  # the models of this run replace theirs; the others stay as stored
+    if a.write:  # the models of this run replace theirs; the others, and the other entries, stay as stored
         try:
             with open(FITTED_PATH) as f:
-                stored = json.load(f).get("transports", {})
+                doc = json.load(f)
         except (OSError, ValueError):
-            stored = {}
+            doc = {}
+        stored = doc.get("transports", {})
         with open(FITTED_PATH, "w") as f:
             new = {k: v for k, v in res.items() if a.store is None or k in a.store}
-            json.dump({"generated_by": "python benches/fit_costmodel.py --write", "transports": {**stored, **new}},
-                      f, indent=1)
+            json.dump({**doc, "generated_by": "python benches/fit_costmodel.py --write",
+                       "transports": {**stored, **new}}, f, indent=1)
             f.write("\n")
     return 0
 
