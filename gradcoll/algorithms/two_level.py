@@ -41,6 +41,7 @@ step 3, so every member finds the marker there. See docs/algorithms/two_level.md
 from __future__ import annotations
 
 import dataclasses
+import functools
 import math
 import time
 from collections.abc import Callable, Hashable, Sequence
@@ -74,6 +75,12 @@ def host_layout(hosts: Sequence[Hashable]) -> list[list[int]]:
     return list(by.values())
 
 
+@functools.lru_cache(maxsize=64)
+def _layout(hosts: tuple[Hashable, ...]) -> tuple[tuple[int, ...], ...]:
+    """``host_layout`` of a call's hosts, once per layout (every call of a group has the same)."""
+    return tuple(tuple(m) for m in host_layout(hosts))
+
+
 def two_level_allreduce(transport: Transport, buf: np.ndarray, *, hosts: Sequence[Hashable] | None = None, op: str = "mean",
                         check_finite: bool = True, seq: int = 0, timeout: float | None = None,
                         workspace: Workspace | None = None, backend: str | None = None, cross: str = "ring",
@@ -93,8 +100,9 @@ def two_level_allreduce(transport: Transport, buf: np.ndarray, *, hosts: Sequenc
         raise UsageError(f"cross must be one of {', '.join(CROSS)}; got {cross!r}")
     if intra not in INTRA and intra != "auto":
         raise UsageError(f"intra must be auto or one of {', '.join(INTRA)}; got {intra!r}")
-    layout = host_layout(hosts)
-    windowed = _win.available(transport, next(m for m in layout if transport.rank in m))
+    layout = _layout(tuple(hosts))
+    members = next(list(m) for m in layout if transport.rank in m)
+    windowed = _win.available(transport, members)
     if intra == "auto":
         intra = "window" if windowed else "star"
     elif intra == "window" and not windowed:
@@ -104,12 +112,12 @@ def two_level_allreduce(transport: Transport, buf: np.ndarray, *, hosts: Sequenc
     reduce_up, broadcast_down = INTRA[intra]
 
     def body(coll: Coll, flat: np.ndarray, opts: Options) -> None:
-        members = next(m for m in layout if coll.rank in m)
         multi = len(layout) > 1
         coll.begin(3)
         coll.step = 1
+        up_op = _up_op(opts.op, multi)
         try:
-            reduce_up(coll, flat, dataclasses.replace(opts, op=_up_op(opts.op, multi)), members)
+            reduce_up(coll, flat, opts if up_op == opts.op else dataclasses.replace(opts, op=up_op), members)
             if coll.rank == members[0] and multi:
                 coll.step = 2
                 leaders = Leaders(coll, [m[0] for m in layout])

@@ -283,7 +283,7 @@ class Topology:
             self._learn_hosts()
         if self._routed is None:
             self._routed = self._routes()
-        leaders = len(self.host_layout())
+        leaders = len(self.host_counts or ())
         cross = select_allreduce(nbytes, leaders, self.transport.name) if leaders > 1 else "ring"
         # (halving-doubling, auto's bandwidth-optimal choice, is the ring's bytes; the star, recursive doubling's)
         return self._routed, {"hosts": cast(Sequence[Hashable], self.hosts), "segment_bytes": segment_bytes,
