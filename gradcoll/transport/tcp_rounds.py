@@ -20,7 +20,10 @@ this took the calls' Python from 14.5 to 12.3 us of CPU time per call
 ``Runner`` is such a call prepared once for one sequence of rounds (its
 links, where each round's link and seqs go, the ring and staging buffers):
 ``exchange_plan`` keeps one per sequence, and the group's fast path calls
-its own (``plan_runner``) with nothing else around it.
+its own (``plan_runner``) with nothing else around it. Its frame around the
+rounds (the links' checks and seqs under the transport's lock, the hand-back)
+runs in C (``_tcp_io.PlanCall``); what ends otherwise than as planned comes
+back to ``Runner.after``, here.
 
 It takes what the step takes (the sends staged where the step stages them),
 and declines before a byte moves where the step would decline on any of the
@@ -41,7 +44,7 @@ import numpy as np
 
 from . import frame as fr
 from . import tcp_fast as fast
-from .plan import COPY, DIVIDE, FD, FIELDS, FLAGS, RFD, RSEQ, SSEQ, TAG, A, B, C, D, make
+from .plan import COPY, DIVIDE, FIELDS, FLAGS, RSEQ, SSEQ, TAG, A, B, C, D, make
 from .tcp_fast import _adopt, _ring, _stage, staging
 
 __all__ = ["exchange_plan", "exchange_rounds"]
@@ -106,7 +109,7 @@ class Runner:
     link and seqs go in the plan, and the transport's ring and staging buffers. A repeated allreduce of one size
     (the group's fast path) calls it with the plan and the arrays; ``exchange_plan`` keeps one per sequence."""
 
-    __slots__ = ("t", "io", "ls", "n", "fill", "sends", "recvs", "uniq", "ring", "stage")
+    __slots__ = ("t", "io", "ls", "n", "fill", "sends", "recvs", "uniq", "ring", "stage", "hot")
 
     def __init__(self, t: Any, io: ModuleType, peers: tuple[int, ...], sources: tuple[int, ...]) -> None:
         self.t, self.io, self.n = t, io, len(peers)
@@ -117,59 +120,32 @@ class Runner:
         self.uniq = tuple(ls.uniq)
         self.ring = _ring(t)
         self.stage = _stage(t) if staging(io) else None
+        #: The call (``_tcp_io.PlanCall``: the checks, seqs and hand-back around the rounds in C), where the links
+        #: carry no secret.
+        self.hot: Any = None if ls.secure else io.PlanCall(self, fast)
 
     def __call__(self, flat: np.ndarray, tmp: np.ndarray, spec: array.array[int], timeout: float | None,
                  divisor: float, check: bool, found: list[tuple[int, float]], at: list[int]) -> int:
-        """``exchange_plan``'s call (its tags already checked)."""
-        t, ls = self.t, self.ls
-        if ls.secure or flat.nbytes > fast.SMALL_BYTES:
-            return 0
-        with t._mu:
-            if t._driving or t._queued() or t._woken is not None or t.closed:
-                return 0
-            for link in self.uniq:
-                if link.stash or link.failure is not None:
-                    return 0
-            for i, link, rlink, so, ro in self.fill:
-                spec[i + FD], spec[i + RFD] = link.fd, rlink.fd
-                spec[i + SSEQ], spec[i + RSEQ] = link.send_seq + so, rlink.recv_seq + ro
-            for link, k in self.sends:
-                link.send_seq += k
-            t._driving, t._stepping = True, self.uniq
-        limit = t._timeout(timeout)
-        started = time.monotonic()
-        io = self.io
-        try:
-            k, out, sent, got, serr, rerr, eof, hdr, red, fin, bad = io.exchange_plan(
-                t._wake_fd, flat, tmp, spec, max(t._spin, fast.STEP_SPIN_S), -1.0 if limit is None else limit,
-                divisor, check, check, fast.PIECE_BYTES, self.ring,
-                self.stage if flat.nbytes <= fast.STAGE_MAX else None)
-        except BaseException:  # refused its arrays: nothing moved
-            ls.release(t, spec, 0, False)
-            raise
-        if out == io.BAD_INPUT:
-            ls.release(t, spec, 0, False)
+        """``exchange_plan``'s call (its tags already checked): ``_tcp_io.PlanCall``'s, 0 where it has none (a
+        secret on a link: its frames are tagged, and the engine's step moves them)."""
+        return 0 if self.hot is None else int(self.hot(flat, tmp, spec, timeout, divisor, check, found, at))
+
+    def after(self, answer: tuple[Any, ...], flat: np.ndarray, tmp: np.ndarray, spec: array.array[int],
+              limit: float | None, started: float, divisor: float, check: bool, found: list[tuple[int, float]],
+              at: list[int]) -> int:
+        """The call after ``exchange_plan`` gave ``answer`` (started at ``time.monotonic()`` ``started``): the
+        links handed back, or the stopped round finished by the engine; returns the rounds done (0: declined)."""
+        k, out, sent, got, serr, rerr, eof, hdr, red, fin, bad = answer
+        if out == self.io.BAD_INPUT:
+            self.ls.release(self.t, spec, 0, False)
             return 0
         if bad is not None:
             found.append((bad[0], bad[1]))
-        if out != io.STOPPED:
-            self._done()
+        if out != self.io.STOPPED:
+            self.hot.done()
             return self.n
         return self._stopped(k, flat, tmp, spec, sent, got, serr, rerr, eof, hdr, red, fin, limit, started, divisor,
                              check, at)
-
-    def _done(self) -> None:
-        """``_Links.release`` of a call whose every round moved both frames, in fewer steps."""
-        t = self.t
-        with t._mu:
-            for link, k in self.recvs:
-                link.recv_seq += k
-            t._driving, t._stepping = False, None
-            for link in self.uniq:
-                if link.sendq:  # queued behind by another thread
-                    t._push(link)
-            if t._sleepers:
-                t._cv.notify_all()
 
     def _stopped(self, k: int, flat: np.ndarray, tmp: np.ndarray, spec: array.array[int], sent: int, got: int,
                  serr: int, rerr: int, eof: bool, hdr: bytes | None, red: int, fin: bool, limit: float | None,
