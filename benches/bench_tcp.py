@@ -8,6 +8,7 @@ ratio (anchor time / gradcoll time, above 1: gradcoll faster) is taken from thos
 
     python benches/bench_tcp.py -n 2 --sizes 4K 64M --rounds 5
     python benches/bench_tcp.py -n 4 --sizes 4K 64M --rounds 5 --json benches/results/tcp_4ranks.json
+    python benches/bench_tcp.py -n 2 --sizes 1M 1M --rounds 5 --calls 1000 --only gradcoll-tcp,mpi-tcp
 
 Missing anchors are skipped with a message (``pip install 'gradcoll[anchors]'``; Open MPI's ``mpirun``).
 """
@@ -35,19 +36,19 @@ PURE = "gradcoll-tcp-py"
 FIXED = ("ring", "star", "recursive_doubling", "halving_doubling")
 
 
-def _run(kind: str, n: int, lo: str, hi: str, repeats: int) -> list[dict]:
+def _run(kind: str, n: int, lo: str, hi: str, repeats: int, calls: int | None = None) -> list[dict]:
     algo = kind.removeprefix("gradcoll-tcp-")
     if algo in FIXED:
         os.environ[compare_anchors.ALGORITHM_ENV] = algo  # the launched ranks inherit it
         try:
-            return [{**r, "impl": kind} for r in compare_anchors.run("gradcoll-tcp", n, lo, hi, repeats)]
+            return [{**r, "impl": kind} for r in compare_anchors.run("gradcoll-tcp", n, lo, hi, repeats, calls=calls)]
         finally:
             del os.environ[compare_anchors.ALGORITHM_ENV]
     if kind != PURE:
-        return compare_anchors.run(kind, n, lo, hi, repeats)
+        return compare_anchors.run(kind, n, lo, hi, repeats, calls=calls)
     os.environ["GRADCOLL_TCP_PURE_PYTHON"] = "1"  # the launched ranks inherit it
     try:
-        return [{**r, "impl": PURE} for r in compare_anchors.run("gradcoll-tcp", n, lo, hi, repeats)]
+        return [{**r, "impl": PURE} for r in compare_anchors.run("gradcoll-tcp", n, lo, hi, repeats, calls=calls)]
     finally:
         del os.environ["GRADCOLL_TCP_PURE_PYTHON"]
 
@@ -58,6 +59,9 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--sizes", nargs=2, default=["4K", "64M"], help="smallest and largest size, x4 steps")
     ap.add_argument("--rounds", type=int, default=5, help="alternating rounds (default 5)")
     ap.add_argument("--repeats", type=int, default=3, help="timed loops per size in a round (median; default 3)")
+    ap.add_argument("--calls", type=int, default=None,
+                    help="calls per timed loop at every size (default: 300 for the small sizes down to 5 from 16 MiB; "
+                         "more measures the steady state of a long run)")
     ap.add_argument("--only", default=",".join(IMPLS),
                     help=f"implementations, comma-separated (also {PURE}: the Python send/receive loops; "
                          "gradcoll-tcp-ALGO: one allreduce algorithm instead of auto, ALGO one of "
@@ -74,7 +78,7 @@ def main(argv: list[str] | None = None) -> int:
     for rnd in range(a.rounds):
         for kind in impls:
             print(f"# round {rnd + 1}/{a.rounds}: {kind} on {a.nprocs} ranks", file=sys.stderr, flush=True)
-            for row in _run(kind, a.nprocs, a.sizes[0], a.sizes[1], a.repeats):
+            for row in _run(kind, a.nprocs, a.sizes[0], a.sizes[1], a.repeats, a.calls):
                 rows.append({**row, "round": rnd})
     med: dict[tuple[str, int], float] = {}
     for kind in impls:

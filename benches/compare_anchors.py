@@ -63,13 +63,14 @@ def _sizes(lo: str, hi: str) -> list[int]:
     return out
 
 
-def _iters(nbytes: int) -> int:
-    return int(max(5, min(300, (64 << 20) // max(nbytes, 1) // 4)))
+def _iters(nbytes: int, calls: int | None = None) -> int:
+    """Calls per timed loop: ``calls`` where given (``--calls``), else 300 for the small sizes down to 5."""
+    return calls if calls else int(max(5, min(300, (64 << 20) // max(nbytes, 1) // 4)))
 
 
 # -- workers: one per implementation, run as every rank -------------------------
-def _time_loop(step, barrier, nbytes: int, repeats: int) -> float:
-    iters = _iters(nbytes)
+def _time_loop(step, barrier, nbytes: int, repeats: int, calls: int | None = None) -> float:
+    iters = _iters(nbytes, calls)
     for _ in range(max(2, iters // 10)):
         step()
     samples = []
@@ -206,7 +207,7 @@ def _same_worker(sizes: list[int], repeats: int) -> None:
     g.close()
 
 
-def worker(kind: str, sizes: list[int], repeats: int, op: str = "allreduce") -> None:
+def worker(kind: str, sizes: list[int], repeats: int, op: str = "allreduce", calls: int | None = None) -> None:
     """Time this implementation's ``op`` over ``sizes``; rank 0 prints JSON rows."""
     if kind == SAME:
         _same_worker(sizes, repeats)
@@ -222,7 +223,7 @@ def worker(kind: str, sizes: list[int], repeats: int, op: str = "allreduce") -> 
     factor = 2 * (world - 1) / world if op == "allreduce" else (world - 1) / world
     for nbytes in sizes:
         buf = np.ones(nbytes // 4, np.float32)
-        t = _time_loop(make(buf), barrier, nbytes, repeats)
+        t = _time_loop(make(buf), barrier, nbytes, repeats, calls)
         if rank == 0:
             busbw = nbytes / t / 1e9 * factor
             print(TAG + json.dumps({"impl": kind, "op": op, "size": nbytes, "ranks": world, "time_us": t * 1e6,
@@ -249,9 +250,11 @@ def _available(kind: str) -> str | None:
     return None
 
 
-def run(kind: str, n: int, lo: str, hi: str, repeats: int, op: str = "allreduce") -> list[dict]:
+def run(kind: str, n: int, lo: str, hi: str, repeats: int, op: str = "allreduce",
+        calls: int | None = None) -> list[dict]:
     """Run one implementation over ``n`` local ranks; return rank 0's rows."""
-    wargs = [sys.executable, HERE, "--worker", kind, "--op", op, "--sizes", lo, hi, "--repeats", str(repeats)]
+    wargs = [sys.executable, HERE, "--worker", kind, "--op", op, "--sizes", lo, hi, "--repeats", str(repeats),
+             *(["--calls", str(calls)] if calls else [])]
     env = {**os.environ, "PYTHONUNBUFFERED": "1"}
     if kind.startswith("mpi"):
         # mpi-tcp: the TCP BTL alone, over loopback (like gradcoll's tcp transport on one host).
@@ -336,6 +339,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("-n", "--nprocs", type=int, default=2)
     ap.add_argument("--sizes", nargs=2, default=["4K", "64M"])
     ap.add_argument("--repeats", type=int, default=3)
+    ap.add_argument("--calls", type=int, default=None,
+                    help="calls per timed loop at every size (default: 300 for the small sizes down to 5)")
     ap.add_argument("--rounds", type=int, default=1, help="interleaved runs of every implementation; best kept")
     ap.add_argument("--op", default="allreduce", choices=OPS)
     ap.add_argument("--only", default=",".join(IMPLS), help=f"comma-separated, of {', '.join(IMPLS + VARIANTS)}")
@@ -343,7 +348,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--worker", default=None, help=argparse.SUPPRESS)
     a = ap.parse_args(argv)
     if a.worker:
-        worker(a.worker, _sizes(*a.sizes), a.repeats, a.op)
+        worker(a.worker, _sizes(*a.sizes), a.repeats, a.op, a.calls)
         return 0
     rows: list[dict] = []
     impls = [i for i in a.only.split(",") if i]
@@ -357,7 +362,7 @@ def main(argv: list[str] | None = None) -> int:
     for rnd in range(a.rounds):
         for kind in runnable:
             print(f"# round {rnd + 1}/{a.rounds}: {kind} on {a.nprocs} ranks ...", file=sys.stderr, flush=True)
-            rows += run(kind, a.nprocs, a.sizes[0], a.sizes[1], a.repeats, a.op)
+            rows += run(kind, a.nprocs, a.sizes[0], a.sizes[1], a.repeats, a.op, a.calls)
     print(f"# python benches/compare_anchors.py {' '.join(argv if argv is not None else sys.argv[1:])}")
     shown = [r for i in impls for r in ([*SAME_ROWS.values()] if i == SAME else [i])]
     print(table(best(rows), shown, a.nprocs, a.op))

@@ -172,6 +172,22 @@ def test_all_well_returns() -> None:
     assert decide([], V.HANDSHAKE) is None
 
 
+def test_the_shortcut_takes_only_tables_no_row_matches() -> None:
+    """``verdict`` returns at once for a table whose records all came, say OK and describe one call (a barrier's
+    every table): every row's trigger, on any slot, keeps its table out of that shortcut."""
+    assert V._agreed([BASE] * N)
+    for i in range(len(V.VERDICT)):
+        for k in range(N):
+            t = trigger(i, k)
+            if "slot" not in t:
+                continue  # (this rank's own error, a marker in its result: verdict's own arguments)
+            table = [BASE] * N
+            table[t["slot"][0]] = t["slot"][1]
+            if "absent" in t:
+                table[t["absent"]] = absent(V.TIMEOUT)
+            assert not V._agreed(table), (i, k)
+
+
 def test_error_attributes_name_the_culprits() -> None:
     e = decide([trigger(0, 1)])  # rank 1 saw its link to rank 3 break, and rank 3 sent nothing
     assert isinstance(e, TransportBroken) and (e.rank, e.peer) == (0, 3) and ", seen by rank 1" in str(e)
