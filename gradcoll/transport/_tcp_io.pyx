@@ -946,8 +946,9 @@ cdef class PlanCall:
     """``tcp_rounds.Runner``'s call in C: the links' checks and seqs under the transport's lock, the rounds
     (``exchange_plan``'s body, without its arguments' conversion), and the links handed back after a call that
     ended as planned (``done``). Anything else (``BAD_INPUT``, a round stopped early, a bad input element found)
-    goes to ``Runner.after``, in Python, which judges it as before. On 2 ranks sharing 2 cores this took a 4 KiB
-    allreduce from about 13.8 to 12.7 us (docs/performance.md, "The rounds' frame in C")."""
+    goes to ``Runner.after``, in Python, which judges it as before. It took a 4 KiB allreduce from 13.3-13.7 to
+    12.3-12.9 us on 2 ranks, and from 53-84 to 47-50 us on 4 sharing 2 cores (docs/performance.md, "Runs of
+    2026-12-05, late: the rounds' frame in C")."""
 
     cdef object runner, t, mu, ls, uniq, fill, sends, recvs, fast, stage_obj, spec_obj
     cdef int64_t[::1] spec
