@@ -71,6 +71,33 @@ def test_each_round_sends_the_partial_sum_and_the_last_divides(two, dtype) -> No
         assert _read(peers[p], 27) == fr.pack_header(1, 7, 3) + b"abc"
 
 
+def test_the_compiled_frame_hands_the_links_back_as_the_engine_expects(two) -> None:
+    """The frame around the rounds runs in C (``_tcp_io.PlanCall``): after a call the transport is no longer
+    driven and each link's seqs moved on by its rounds; a call that finds another thread's wake-up pending declines
+    before a byte moves, the seqs and the driver untouched."""
+    from gradcoll.transport import _tcp_io
+
+    t, peers = two
+    assert isinstance(t.plan_runner((1, 2)).hot, _tcp_io.PlanCall)
+    x = np.ones(256, np.float32)
+    peers[1].sendall(_frame(0, x))
+    peers[2].sendall(_frame(0, x))
+    assert _rounds(t, x.copy()) == 2
+    assert not t._driving and t._stepping is None
+    assert [(t._links[p].send_seq, t._links[p].recv_seq) for p in (1, 2)] == [(1, 1), (1, 1)]
+    t._woken = lambda peer: CollectiveTimeout("woken")  # as interrupt() leaves it for the next wait
+    try:
+        assert _rounds(t, x.copy()) == 0
+    finally:
+        t._woken = None
+    assert not t._driving and t._stepping is None
+    assert [(t._links[p].send_seq, t._links[p].recv_seq) for p in (1, 2)] == [(1, 1), (1, 1)]
+    assert _read(peers[1], 24 + x.nbytes) == _frame(0, x)  # the first call's frames, and nothing of the second
+    peers[1].setblocking(False)
+    with pytest.raises(BlockingIOError):
+        peers[1].recv(1)
+
+
 def test_a_sum_that_overflows_is_marked_and_the_rounds_go_on(two) -> None:
     t, peers = two
     peers[1].sendall(_frame(0, np.full(8, 3e38, np.float32)))
