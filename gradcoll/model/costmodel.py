@@ -49,7 +49,8 @@ cluster predictions assume.
 and copied bytes on the critical path, and the mean copied and reduced bytes of the other ranks:
 
 The message size per algorithm (for the per-core cache) is ``S/n`` for the ring and ``S`` for the star and
-recursive doubling (``Work.message``).
+recursive doubling (``Work.message``); halving-doubling on 4 ranks or more weighs each round's own message as
+it halves and doubles back (``halving_out_of_l2``), a compiled round's in pieces of at most ``piece_bytes``.
 
 * ``ring``: ``2 (n-1)`` steps of ``S/n`` bytes, ``n-1`` of them followed by the reduction of ``S/n``; every
   step copies ``S/n`` in and ``S/n`` out. The model treats each step as one message (it ignores the segment
@@ -183,8 +184,9 @@ def _columns(algorithm: str, n: int, nbytes: float, node: Node | None, model: Al
     cache = 0.0 if model is None else model.cache_bytes
     out_of_cache = max(0.0, 1.0 - cache / (float(nbytes) * ranks)) if nbytes > 0 else 0.0
     l2_bytes = 0.0 if model is None else model.l2_bytes
-    if algorithm == "halving_doubling" and n >= 4 and not planned:  # at 2 (and 3) ranks the ring's messages
-        l2 = halving_out_of_l2(n, float(nbytes), l2_bytes, ranks / cores)
+    if algorithm == "halving_doubling" and n >= 4:  # at 2 (and 3) ranks the ring's messages
+        # every round's own message (as it halves and doubles back), a compiled round's in pieces
+        l2 = halving_out_of_l2(n, float(nbytes), l2_bytes, ranks / cores, model.piece_bytes if planned and model else 0.0)
     else:
         l2 = out_of_l2(w.message, l2_bytes, ranks / cores)
     # The streamed copies run on another core but through the same memory: the cache term counts them (the

@@ -53,18 +53,24 @@ def out_of_l2(message: float, l2_bytes: float, ranks_per_core: float = 1.0) -> f
     return max(0.0, 1.0 - l2_bytes / ws) if ws > 0 and l2_bytes > 0 else 0.0
 
 
-def halving_out_of_l2(n: int, s: float, l2_bytes: float, ranks_per_core: float) -> float:
+def halving_out_of_l2(n: int, s: float, l2_bytes: float, ranks_per_core: float, piece: float = 0.0) -> float:
     """The halving-doubling rounds' ``out_of_l2``, weighted by the bytes each copies and reduces on the critical path.
 
     Its messages halve from ``S/2`` to ``S/p`` and double back (the fold and
-    unfold of a group that is not a power of two move ``S``).
+    unfold of a group that is not a power of two move ``S``). ``piece`` > 0:
+    the transport's compiled rounds move and reduce a message in pieces of at
+    most that many bytes, so a round's working set is the smaller of the two.
     """
+    def seen(m: float) -> float:
+        return min(m, piece) if piece > 0 else m
+
     p = 1 << (n.bit_length() - 1)
-    parts = [(s, 2.0 * s)] if n != p else []  # the fold: S reduced and copied once; the unfold: S copied once
+    parts = [(seen(s), 2.0 * s)] if n != p else []  # the fold: S reduced and copied once; the unfold: S copied once
     m = s
     for _ in range(p.bit_length() - 1):
         m /= 2
-        parts += [(m, 3.0 * m), (m, 2.0 * m)]  # a reduce-scatter round (reduced, copied in and out), an allgather one
+        parts += [(seen(m), 3.0 * m), (seen(m), 2.0 * m)]  # a reduce-scatter round (reduced, copied in and out),
+        # an allgather one
     total = sum(b for _, b in parts)
     return sum(out_of_l2(m, l2_bytes, ranks_per_core) * b for m, b in parts) / total if total > 0 else 0.0
 

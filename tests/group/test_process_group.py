@@ -307,7 +307,8 @@ def test_the_fast_path_takes_the_deterministic_and_wire_variants_with_the_genera
 @pytest.mark.parametrize("n,count", [(2, 1000), (4, 1000), (4, 300_000), (3, 300_000)])
 def test_the_tcp_fast_path_gives_what_the_general_path_gives(n: int, count: int, monkeypatch) -> None:
     """A group over tcp sends the plain calls ``auto`` gives recursive doubling, halving-doubling or the ring
-    straight to it (``gradcoll.group.fastpath``): the same bits, seqs, stats and poisoning as the general path."""
+    straight to it (``gradcoll.group.fastpath``), and so the calls that name it: the same bits, seqs, stats and
+    poisoning as the general path."""
     from gradcoll.group import fastpath
     from gradcoll.testing import threaded_group
     from gradcoll.transport import tcp
@@ -325,16 +326,18 @@ def test_the_tcp_fast_path_gives_what_the_general_path_gives(n: int, count: int,
     # the model's choice, one algorithm for both dtypes, and one the fast path takes (the ring in any group)
     assert len(algos) == 1 and algos <= set(fastpath._STEPPED), algos
     assert algos == {"recursive_doubling"} if count < 100_000 else algos != {"recursive_doubling"}
+    name = algos.copy().pop()
 
     def fn(r: int) -> list[Any]:
         g, out = groups[r], []
         rng = np.random.default_rng(r)
         for dt in (np.float32, np.float64):
             a = rng.standard_normal(count).astype(dt)
-            b = a.copy()
+            b, c = a.copy(), a.copy()
             g.allreduce(a)                                        # the fast path
-            g.allreduce(b, algorithm=algos.copy().pop())          # the general path, the same algorithm
-            out.append(a.tobytes() == b.tobytes())
+            g.allreduce(memoryview(b), algorithm=name)            # a buffer object: the general path, the same algorithm
+            g.allreduce(c, algorithm=name)                        # the fast path, by name
+            out.append(a.tobytes() == b.tobytes() == c.tobytes())
         m = np.full(5, float(r))
         g.allreduce(m, op="max")                                  # another op: the general path
         out.append(m.tolist() == [n - 1.0] * 5)
@@ -353,8 +356,8 @@ def test_the_tcp_fast_path_gives_what_the_general_path_gives(n: int, count: int,
         results, errors = gather_ranks(fn, n, join_timeout=60)
         assert errors == [None] * n, errors
         for res in results:
-            assert res == [True, True, True, True, (6, 6), True], res
-        assert sorted(taken) == sorted([0, 2, 6] * n)  # float32, float64 and the NaN call, on every rank
+            assert res == [True, True, True, True, (8, 8), True], res
+        assert sorted(taken) == sorted([0, 2, 3, 5, 8] * n)  # float32, float64 (auto, named), the NaN call
     finally:
         for g in groups:
             g.close()
