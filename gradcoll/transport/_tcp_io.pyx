@@ -84,6 +84,8 @@ cdef extern from "../kernels/_fused.h" nogil:
         GC_DIV
     int gc_acc_f(float* acc, const float* x, gc_ssize m, float d, int mode, float sc, int doscale)
     int gc_acc_d(double* acc, const double* x, gc_ssize m, double d, int mode, double sc, int doscale)
+    gc_ssize gc_acc_in_f(float* acc, const float* x, gc_ssize m, float d, int mode, int* fin)
+    gc_ssize gc_acc_in_d(double* acc, const double* x, gc_ssize m, double d, int mode, int* fin)
     int gc_finite_f(const float* p, gc_ssize m)
     int gc_finite_d(const double* p, gc_ssize m)
 
@@ -554,6 +556,43 @@ cdef struct XS:
     uint8_t rh[HDR]
 
 
+cdef inline int _acc_in_p(XS* s, uint8_t* a, const uint8_t* x, Py_ssize_t lo, Py_ssize_t cnt) noexcept nogil:
+    """``_acc_p`` of elements ``lo:lo + cnt`` of ``s.a`` (at ``a``), this rank's input in them checked in the same
+    pass: the first non-finite one goes to ``s.bad_i``/``s.bad_v`` (``s.bad_in_acc``), as the separate check
+    found it; 1: every sum finite."""
+    cdef int fin = 1
+    cdef Py_ssize_t done, at
+    if cnt <= 0:
+        return 1
+    if s.is64:
+        done = gc_acc_in_d(<double*>a, <const double*>x, cnt, s.f, s.mode, &fin)
+    else:
+        done = gc_acc_in_f(<float*>a, <const float*>x, cnt, <float>s.f, s.mode, &fin)
+    if done < cnt:  # a run that may hold a bad input, as it was: the exact check, then the plain accumulate
+        if s.bad_i < 0 and not _finite(s.a, lo + done, lo + cnt, s.is64):
+            at = _first_bad(s.a, lo + done, lo + cnt, s.is64)
+            s.bad_i, s.bad_in_acc = at, True
+            s.bad_v = (<double*>s.a)[at] if s.is64 else (<float*>s.a)[at]
+        fin = _acc_p(a + done * s.item, x + done * s.item, cnt - done, s.is64, s.f, s.mode) & fin
+    return fin
+
+
+cdef inline int _reduce_to(XS* s, Py_ssize_t hi) noexcept nogil:
+    """``acc[s.red:hi] +=`` the received elements from the ring (``_acc_ring``), with this rank's input in them
+    checked (``s.check_acc``) in the same pass until a bad one is found; 1: every sum finite."""
+    cdef Py_ssize_t lo = s.red, off, first
+    if not s.check_acc or s.bad_i >= 0:
+        return _acc_ring(s.a, s.rg, s.rsize, lo, hi, s.item, s.is64, s.f, s.mode)
+    if hi <= lo:
+        return 1
+    off = (lo * s.item) % s.rsize
+    first = hi - lo
+    if first > (s.rsize - off) // s.item:
+        first = (s.rsize - off) // s.item
+    return _acc_in_p(s, s.a + lo * s.item, s.rg + off, lo, first) \
+        & _acc_in_p(s, s.a + (lo + first) * s.item, s.rg, lo + first, hi - lo - first)
+
+
 #: How often (seconds) a loop whose bytes keep flowing looks at the wake socket: another thread's work, or a
 #: close, stops a long exchange within this much, not only when the loop waits.
 cdef double WAKE_CHECK_S = 1e-3
@@ -620,10 +659,7 @@ cdef void _xloop(XS* s) noexcept nogil:
             s.outcome = X_DONE
             break
         if s.soff == s.stotal and s.roff == s.total:
-            if s.check_acc and s.bad_i < 0 and not _finite(s.a, s.red, s.m, s.is64):
-                s.bad_i, s.bad_in_acc = _first_bad(s.a, s.red, s.m, s.is64), True
-                s.bad_v = (<double*>s.a)[s.bad_i] if s.is64 else (<float*>s.a)[s.bad_i]
-            s.fin = _acc_ring(s.a, s.rg, s.rsize, s.red, s.m, s.item, s.is64, s.f, s.mode) & s.fin
+            s.fin = _reduce_to(s, s.m) & s.fin
             s.red = s.m
             s.outcome = X_DONE if s.fin or not s.check else X_NONFINITE
             if s.outcome == X_NONFINITE:
@@ -635,10 +671,7 @@ cdef void _xloop(XS* s) noexcept nogil:
         if not s.copy and ready_elems > s.red and (ready_elems - s.red >= REDUCE_STEP or pay - floor_b >= s.rsize):
             # sent (when the accumulator is what is sent) and received: reduce it while the sockets work (now,
             # when the ring is full)
-            if s.check_acc and s.bad_i < 0 and not _finite(s.a, s.red, ready_elems, s.is64):
-                s.bad_i, s.bad_in_acc = _first_bad(s.a, s.red, ready_elems, s.is64), True
-                s.bad_v = (<double*>s.a)[s.bad_i] if s.is64 else (<float*>s.a)[s.bad_i]
-            s.fin = _acc_ring(s.a, s.rg, s.rsize, s.red, ready_elems, s.item, s.is64, s.f, s.mode) & s.fin
+            s.fin = _reduce_to(s, ready_elems) & s.fin
             s.red = ready_elems
             continue
         if moved:

@@ -272,6 +272,49 @@ def test_a_plan_reports_a_bad_element_of_the_part_it_adds_into_at_its_index_in_t
     assert found == [(2500, np.inf)]
 
 
+@pytest.mark.parametrize("dtype", [np.float32, np.float64])
+@pytest.mark.parametrize("where,bad", [(None, None), (0, np.nan), (3, -np.inf), (40, np.inf), (1000, np.nan),
+                                       (20000 - 5, np.inf), (20000 - 1, -np.inf)])
+def test_the_kept_part_is_checked_in_the_pass_that_adds_into_it(one, monkeypatch, dtype, where, bad) -> None:
+    """The input this rank adds the peer's part into is checked in the accumulate's own pass (``gc_acc_in_*``): the
+    sums are the bits of the plain accumulate, the first bad element is named at its index and value wherever it
+    sits (the loop's head, its vectors, its tail, across the receive ring's wrap), and nothing is lost."""
+    monkeypatch.setattr(tcp_fast, "PIECE_BYTES", 4096)
+    t, peer = one
+    m = 20000  # 80-160 KB: the peer's part wraps the receive ring of 2 x 4 KiB pieces many times
+    rng = np.random.default_rng(7)
+    flat = rng.standard_normal(2 * m).astype(dtype)
+    if where is not None:
+        flat[where] = bad
+    theirs = rng.standard_normal(m).astype(dtype)
+    want = flat[:m].copy()
+    want += theirs  # the plain accumulate's sum, then the mean of 2 as the plan finishes it
+    want *= dtype(0.5)
+    got: list[bytes] = []
+    size = 24 + flat.itemsize * m
+    ths = [threading.Thread(target=lambda: peer.sendall(_frame(0, theirs, HD_RS) + _frame(1, np.full(m, 2.0, dtype),
+                                                                                          HD_AG))),
+           threading.Thread(target=lambda: got.extend((_read(peer, size), _read(peer, size))))]
+    for th in ths:
+        th.start()
+    found: list[Any] = []
+    assert _plan(t, flat, m, found=found) == 2
+    for th in ths:
+        th.join(10)
+    assert flat[m:].tobytes() == np.full(m, 2.0, dtype).tobytes()  # the peer's finished part, copied in
+    if where is None:
+        assert found == [] and flat[:m].tobytes() == want.tobytes()
+        assert len(got) == 2 and got[1][24:] == want.tobytes()  # the sum went out whole
+        return
+    assert len(found) == 1 and found[0][0] == where, found
+    assert (np.isnan(found[0][1]) and np.isnan(bad)) or found[0][1] == bad, found
+    ok = np.isfinite(want)
+    ok[0] = False  # (a sum that is not finite marks element 0 with a NaN for the peers)
+    assert flat[:m][ok].tobytes() == want[ok].tobytes()  # every other sum is the plain accumulate's
+    assert len(got) == 2 and np.frombuffer(got[1][24:], dtype)[ok].tobytes() == want[ok].tobytes()
+    assert not np.isfinite(flat[where])
+
+
 @pytest.mark.parametrize("where", [[0, 5, 3, 8], [0, 5, 0, 4], [0, 9, 0, 1]])
 def test_a_plan_whose_round_sends_part_of_what_it_receives_into_is_refused(one, where) -> None:
     t, peer = one
