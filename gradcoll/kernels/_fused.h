@@ -351,12 +351,13 @@ GC_DEFINE_ACC(gc_acc_f_base, float, gc_v8f, gc_v8u, 8, gc_ld8f, gc_st8f, uint32_
 GC_DEFINE_ACC(gc_acc_d, double, gc_v4d, gc_v4u, 4, gc_ld4d, gc_st4d, uint64_t, gc_flag64, gc_finite_d, GC_TOP64)
 
 /* The accumulate that checks acc's own values (this rank's input) in the same pass, for the tcp step, where a
- * separate check read them once more just before (the 512 KiB this rank keeps of a 1 MiB allreduce on 2 ranks:
- * about 6 us from the per-core cache, 2.5% of the call). acc = finish(acc + x), element for element as the
- * accumulate above (the same bits), for the elements before the returned index: m, unless a run of 4 vectors of
- * acc (or one element of the head or tail) may hold a NaN or an Inf (its sum is not finite: an overflow of finite
- * values sets it too); that run and everything after it is left as it was, for the caller's exact check and
- * accumulate. *fin: whether every sum written is finite. */
+ * separate check read them once more just before. acc = finish(acc + x), element for element as the accumulate
+ * above (the same bits), for the elements before the returned index: m, unless a block of 16 vectors of acc (or
+ * one element of the head or tail) may hold a NaN or an Inf (a sum of its values is not finite: an overflow of
+ * finite values sets it too); that block and everything after it is left as it was, for the caller's exact check
+ * and accumulate. A block is checked, then added from the first-level cache: testing every 4 vectors before
+ * adding them cost 5% at 256 KiB on 2 ranks; the block's way took a 1 MiB allreduce on 2 ranks from 238-250 to
+ * 227-233 us (docs/performance.md, "named calls on the fast path"). *fin: whether every sum written is finite. */
 /* Its scalar loop, up to END: stops at an element of acc that is not finite, before writing it. */
 #define GC_ACC_IN_TAIL(T, FLAG1, TOP, END) GC_ACC_TAIL_IF(T, FLAG1, END, FLAG1(s) & (TOP))
 
@@ -374,28 +375,35 @@ GC_DEFINE_ACC(gc_acc_d, double, gc_v4d, gc_v4u, 4, gc_ld4d, gc_st4d, uint64_t, g
         if (i < head)                                                                                  \
             goto done;                                                                                 \
         start = i;                                                                                     \
-        for (; i + 4 * (W) <= m; i += 4 * (W)) {                                                       \
-            V a0 = LOAD(acc + i), a1 = LOAD(acc + i + (W)), a2 = LOAD(acc + i + 2 * (W)),              \
-              a3 = LOAD(acc + i + 3 * (W)), t = (a0 + a1) + (a2 + a3);                                 \
-            VU z = (VU)(t - t);                                                                        \
+        for (; i + 16 * (W) <= m; i += 16 * (W)) { /* a block of 16 vectors: checked, then added (from L1) */ \
+            VU z = {0};                                                                                \
+            gc_ssize j;                                                                                \
+            for (j = i; j < i + 16 * (W); j += 4 * (W)) {                                              \
+                V t = (LOAD(acc + j) + LOAD(acc + j + (W))) + (LOAD(acc + j + 2 * (W)) + LOAD(acc + j + 3 * (W))); \
+                z |= (VU)(t - t);                                                                      \
+            }                                                                                          \
             any = 0;                                                                                   \
             for (k = 0; k < (W); k++)                                                                  \
                 any |= z[k];                                                                           \
             if (any)                                                                                   \
                 break;                                                                                 \
-            a0 += LOAD(x + i); a1 += LOAD(x + i + (W)); a2 += LOAD(x + i + 2 * (W)); a3 += LOAD(x + i + 3 * (W)); \
-            GC_ACC_STEP(a0) GC_ACC_STEP(a1) GC_ACC_STEP(a2) GC_ACC_STEP(a3)                            \
-            STORE(acc + i, a0, 0); STORE(acc + i + (W), a1, 0);                                        \
-            STORE(acc + i + 2 * (W), a2, 0); STORE(acc + i + 3 * (W), a3, 0);                          \
-            t = (a0 + a1) + (a2 + a3);                                                                 \
-            fv |= (VU)(t - t);                                                                         \
+            for (j = i; j < i + 16 * (W); j += 4 * (W)) {                                              \
+                V a0 = LOAD(acc + j) + LOAD(x + j), a1 = LOAD(acc + j + (W)) + LOAD(x + j + (W)),      \
+                  a2 = LOAD(acc + j + 2 * (W)) + LOAD(x + j + 2 * (W)),                                \
+                  a3 = LOAD(acc + j + 3 * (W)) + LOAD(x + j + 3 * (W)), t;                             \
+                GC_ACC_STEP(a0) GC_ACC_STEP(a1) GC_ACC_STEP(a2) GC_ACC_STEP(a3)                        \
+                STORE(acc + j, a0, 0); STORE(acc + j + (W), a1, 0);                                    \
+                STORE(acc + j + 2 * (W), a2, 0); STORE(acc + j + 3 * (W), a3, 0);                      \
+                t = (a0 + a1) + (a2 + a3);                                                             \
+                fv |= (VU)(t - t);                                                                     \
+            }                                                                                          \
         }                                                                                              \
         for (k = 0; k < (W); k++)                                                                      \
             vflag |= fv[k];                                                                            \
         if (vflag != 0 && !FINITE(acc + start, i - start)) /* an Inf/NaN, or the sums' sum overflowed */ \
             flag |= (TOP);                                                                             \
-        if (i + 4 * (W) <= m)                                                                          \
-            goto done; /* a run that may hold a bad input: the caller's */                             \
+        if (i + 16 * (W) <= m)                                                                         \
+            goto done; /* a block that may hold a bad input: the caller's */                           \
         GC_ACC_IN_TAIL(T, FLAG1, TOP, m)                                                               \
     done:                                                                                              \
         *fin = (flag & (TOP)) == 0;                                                                    \
