@@ -5,16 +5,19 @@ Where the group reaches the ranks of this host through shared memory (a
 same-host links), steps 1 and 3 go through one window per host instead of
 messages. Every member owns a slot of ``SLOT_BYTES``: two *up* buffers and
 two *down* buffers of ``PIECE_BYTES``. A buffer goes in pieces of
-``PIECE_BYTES``; piece ``k`` of the collective whose first piece is tick
-``t0`` uses up (and down) buffer ``(t0 + k) % 2``, so one piece is copied in
-while the one before is reduced.
+``PIECE_BYTES``; piece ``k`` of a call uses up (and down) buffer ``k % 2``,
+so one piece is copied in while the one before is reduced, and a call of one
+piece touches one buffer of each kind whatever calls came before (indexing
+by the pieces' running count instead alternated the buffers from call to
+call: twice the memory a host keeps warm).
 
-1. **Up**: every rank of the host (the leader too) copies piece ``k`` of its
-   buffer into its up buffer and publishes counter ``UP``; the leader waits
-   for every member's, adds the ``L`` rows in member order with the fused
-   kernel, straight from the slots into its own buffer (the star's one pass,
-   every element checked; a non-finite sum is planted at element 0), and
-   publishes ``READ``: the members may reuse that up buffer.
+1. **Up**: every member copies piece ``k`` of its buffer into its up buffer
+   and publishes counter ``UP``; the leader waits for every member's, adds
+   its own piece and the members' rows in member order with the fused
+   kernel, straight into its own buffer (the star's one pass, every element
+   checked; a non-finite sum is planted at element 0), and publishes
+   ``READ``: the members may reuse that up buffer. The leader's own piece is
+   read where it lies, not copied into its slot first.
 2. (the leaders' step, unchanged)
 3. **Down**: the leader copies piece ``k`` of the result into its down
    buffer and publishes ``DOWN``; every member copies it out and publishes
@@ -145,20 +148,34 @@ def window_up(coll: Coll, flat: np.ndarray, opts: Options, members: list[int]) -
     for k in range(count):
         tick, lo = base + k, k * PIECE_BYTES
         hi = min(raw.size, lo + PIECE_BYTES)
-        at = (tick % 2) * PIECE_BYTES
-        if me and tick >= 2:  # the leader has reduced the piece two before, which used this buffer
-            _wait(coll, t, lambda tick=tick: win.wait([0], READ, tick - 1, coll.deadline.remaining()))
-        win.slot(me)[at: at + hi - lo] = raw[lo:hi]
+        at = _buffer(k)
         if me:
+            ready = _reused(tick, k, base)
+            if ready:  # the leader has reduced what used this buffer last (``_reused``)
+                _wait(coll, t, lambda ready=ready: win.wait([0], READ, ready, coll.deadline.remaining()))
+            win.slot(me)[at: at + hi - lo] = raw[lo:hi]
             win.publish(UP, tick + 1)
             continue
         _wait(coll, t, lambda tick=tick: win.wait(others, UP, tick + 1, coll.deadline.remaining()))
         if k == 0:
             _check_calls(coll, t, win, report)
-        rows = [win.slot(r)[at: at + hi - lo].view(flat.dtype) for r in range(len(members))]
+        piece = raw[lo:hi].view(flat.dtype)
+        rows = [piece] + [win.slot(r)[at: at + hi - lo].view(flat.dtype) for r in others]
         if hi > lo:
-            _reduce(rows, raw[lo:hi].view(flat.dtype), flat, opts)
+            _reduce(rows, piece, flat, opts)  # into the leader's own piece, which it reads in the same pass
         win.publish(READ, tick + 1)
+
+
+def _buffer(k: int) -> int:
+    """The offset in a slot of piece ``k``'s up buffer (its down buffer: ``2 * PIECE_BYTES`` on)."""
+    return (k % 2) * PIECE_BYTES
+
+
+def _reused(tick: int, k: int, base: int) -> int:
+    """The counter value (``READ`` of the leader, ``GOT`` of the members) that frees piece ``k``'s buffer
+    (tick ``tick`` of a call whose first piece is tick ``base``): piece ``k - 2`` done, or every piece of the
+    calls before (the only ones that used it before pieces 0 and 1); 0 where nothing did."""
+    return tick - 1 if k >= 2 else base
 
 
 def _check_calls(coll: Coll, t: RoutedTransport, win: Window, mine: np.ndarray) -> None:
@@ -195,10 +212,11 @@ def window_down(coll: Coll, flat: np.ndarray, members: list[int]) -> None:
     for k in range(count):
         tick, lo = base + k, k * PIECE_BYTES
         hi = min(raw.size, lo + PIECE_BYTES)
-        at = (2 + tick % 2) * PIECE_BYTES
+        at = 2 * PIECE_BYTES + _buffer(k)
         if me == 0:
-            if tick >= 2:  # every member has copied out the piece two before, which used this buffer
-                _wait(coll, t, lambda tick=tick: win.wait(others, GOT, tick - 1, coll.deadline.remaining()))
+            ready = _reused(tick, k, base)
+            if ready:  # every member has copied out what used this buffer last (``_reused``)
+                _wait(coll, t, lambda ready=ready: win.wait(others, GOT, ready, coll.deadline.remaining()))
             win.slot(0)[at: at + hi - lo] = raw[lo:hi]
             win.publish(DOWN, tick + 1)
             continue

@@ -9,6 +9,7 @@ closed forms per algorithm are in ``gradcoll.model.costmodel``'s docstring.
 
 from __future__ import annotations
 
+import math
 from typing import NamedTuple
 
 from ..errors import UsageError
@@ -114,9 +115,16 @@ def work(algorithm: str, n: int, nbytes: float) -> Work:
     if algorithm == "direct_two_shot":  # copy the others' shares in, sync, reduce a 1/n share, sync, copy all out
         c = s / n
         return Work(2.0, 0.0, (n - 1) * c, (2.0 * n - 1) * c, (n - 1) * c, (2.0 * n - 1) * c, 0.0, c)
-    if algorithm == "window_star":  # every rank copies in, one sync, the leader adds the L slots, copies the result
-        # out, one sync, the members copy it out: the leader's copies and its sum, then a member's copy out
-        return Work(2.0, 0.0, (n - 1) * s, 3.0 * s, 0.0, 2.0 * s, s, min(s, WINDOW_PIECE_BYTES))
+    if algorithm == "window_star":  # every rank checks its input (the guard's pass, a read of S, priced as S
+        # reduced), the members copy in, one sync, the leader adds its buffer and the L - 1 slots into its buffer
+        # and copies the result out, one sync, the members copy it out. The critical path: a check, a member's
+        # copy in, the leader's sum and copy out, a member's copy out (3 S). The other ranks' mean is what the
+        # path leaves out, so that the node's total is the path's plus theirs (``costmodel._columns``): L - 1
+        # checks, the other L - 2 members' 2 S of copies each, over L - 1 ranks; their copies in stream beside
+        # the first one's. Both syncs come once per piece of WINDOW_PIECE_BYTES: where ranks share a core, each
+        # hands the core over.
+        rest, pieces = 2.0 * (n - 2) * s / (n - 1), max(1, math.ceil(s / WINDOW_PIECE_BYTES))
+        return Work(2.0 * pieces, 0.0, n * s, 3.0 * s, s, rest, (n - 2) * s, min(s, WINDOW_PIECE_BYTES))
     raise UsageError(f"unknown algorithm {algorithm!r}; the model covers "
                      f"{', '.join(ALGORITHMS + DIRECT_MODES + HOST_STEPS[1:])}")
 

@@ -71,8 +71,14 @@ def test_the_window_steps_terms_and_the_frame() -> None:
     from gradcoll.model.costmodel import Node, work
 
     s = float(1 << 22)
-    w = work("window_star", 4, s)  # every rank copies in, the leader adds 4 slots and copies out, members copy out
-    assert (w.messages, w.link_bytes, w.reduced, w.copied, w.other_copied) == (2.0, 0.0, 3 * s, 3 * s, 2 * s)
+    w = work("window_star", 4, s)  # every rank checks its input; members copy in, the leader adds its buffer and
+    # 3 slots, copies out, members copy out; two syncs a piece of 1 MiB
+    assert (w.messages, w.link_bytes, w.reduced, w.copied) == (8.0, 0.0, 4 * s, 3 * s)
+    # the host's totals: the leader's sum (3 S) and 4 checks; the leader's S out, every member's S in and S out.
+    # The path holds a check, the sum and the copies of the leader and of one member; the others the rest
+    assert w.reduced + 3 * w.other_reduced == pytest.approx(7 * s)
+    assert w.copied + 3 * w.other_copied == pytest.approx(7 * s) and w.streamed == 2 * s
+    assert work("window_star", 2, s).other_copied == 0.0 and work("window_star", 2, 1000.0).messages == 2.0
     assert w.message == 1 << 20  # the pieces the window moves the buffer in
     node = Node(4, 2.0)
     assert hierarchy.node_split((2, 2), node) == (Node(2, 1.0), Node(2, 1.0))
@@ -80,7 +86,13 @@ def test_the_window_steps_terms_and_the_frame() -> None:
     assert hierarchy.frame_time(1e-5, 4, node) == pytest.approx(2e-5) and hierarchy.frame_time(1e-5, 4, None) == 1e-5
     base = hierarchy.two_level_time((2, 2), s, LOCAL, NET, intra="window_star")
     assert hierarchy.two_level_time((2, 2), s, LOCAL, NET, intra="window_star", frame_s=1e-5) == pytest.approx(base + 1e-5)
-    assert base < hierarchy.two_level_time((2, 2), s, LOCAL, NET)  # fewer copies than the star's messages
+    assert w.copied < work("star", 4, s).copied  # fewer copies on the path than the star's messages
+    # a host whose ranks share a core keeps its slots in that core's caches: the network fit's last-level cache
+    shared, own = Node(2, 1.0), Node(2, 2.0)
+    assert hierarchy.host_model("window_star", LOCAL, NET, own) is LOCAL
+    assert hierarchy.host_model("star", LOCAL, NET, shared) is LOCAL
+    assert hierarchy.host_model("window_star", LOCAL, NET, shared).cache_bytes == max(LOCAL.cache_bytes,
+                                                                                      NET.cache_bytes)
     with pytest.raises(Exception, match="intra must be one of"):
         hierarchy.step_times((2, 2), s, LOCAL, NET, intra="ring")
     assert hierarchy.stored_frame_s() > 0  # benches/bench_two_level.py --fit stored it
