@@ -7,7 +7,7 @@ SRC_DEPS := pyproject.toml setup.py gradcoll/kernels/_cython_kernels.pyx gradcol
 	gradcoll/transport/_window_c.pyx gradcoll/transport/_window_c.pxd gradcoll/algorithms/_direct_c.pyx \
 	gradcoll/transport/_tcp_io.pyx
 
-.PHONY: test demo bench docs fuzz faults install clean
+.PHONY: test demo bench docs fuzz faults matrix install clean
 
 $(PY):
 	$(PYTHON) -m venv $(VENV)
@@ -31,6 +31,11 @@ bench: $(STAMP)
 
 fuzz: $(STAMP)
 	GRADCOLL_FUZZ_EXAMPLES=20000 $(PY) -m pytest -q tests/fuzz -p no:cacheprovider
+
+# Every combination of the allreduce matrix (transport x algorithm x op x dtype x wire x deterministic x count x
+# world size); `make test` runs a seeded sample of it.
+matrix: $(STAMP)
+	GRADCOLL_MATRIX=full $(PY) -m pytest -q tests/algorithms/test_matrix.py -p no:cacheprovider
 
 # The whole fault matrix 3 times, the 10,000-call soak, the security scenarios, then the table of docs/reliability.md.
 SECURITY_TESTS := tests/group/test_secret.py tests/group/test_duplicate_rank.py tests/group/test_close_thread.py \

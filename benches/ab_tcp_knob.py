@@ -5,7 +5,7 @@ Launches ``-n`` local ranks over tcp (``gradcoll launch``). Each round sets
 of allreduces (float32, mean, ``auto``) per value; rank 0 prints the median
 and the best loop time per call of each value. The values take turns in
 the same processes, so the placement of the ranks on the cores, which on a
-machine with more ranks than cores moves whole runs by 1.5x, is the same for
+machine with more ranks than cores moves whole runs by a large factor, is the same for
 all of them. Each value also gets the CPU its loops cost, every rank's user
 and system time (``getrusage``) summed over the ranks, per call: with more
 ranks than cores that bounds the time, and it varies far less between runs.

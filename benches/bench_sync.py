@@ -76,7 +76,7 @@ def bench_inproc(n: int, peers: int) -> float:
 
 def _warm_up(n: int) -> None:
     # Load the kernel backends (Numba's cache, Cython) and pyarrow before any
-    # clock starts: a first call pays about half a second for that.
+    # clock starts: a first call pays for loading them.
     g = _gradient(n, 0)
     aggregate_gradients({"a": g, "b": g})
     load_gradient_from_arrow(store_gradient_as_arrow(g[:10]))

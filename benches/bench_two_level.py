@@ -5,8 +5,8 @@ group sees two hosts of two ranks: the two-level allreduce reduces inside each "
 (``gradcoll.transport.routed``), between the two leaders over tcp, and back; the flat ring runs over tcp
 on every link. Every rank alternates the two algorithms per size (float32, mean), ``--repeats`` loops of
 ``--iters`` calls, each loop between two barriers (as ``benches/compare_anchors.py`` times: a loop ends when
-every rank's last call has; without the second barrier rank 0's loop ended before the others' and the ring
-measured up to 1.7x faster at 64 KiB than in ``benches/bench_tcp.py``); a size's time is rank 0's median loop. The predictions are the stored fitted models
+every rank's last call has; without the second barrier rank 0's loop ends before the others' and the ring
+looks faster at small sizes than in ``benches/bench_tcp.py``); a size's time is rank 0's median loop. The predictions are the stored fitted models
 (``gradcoll/model/fitted.json``): the ring under the tcp model on 4 ranks sharing the machine's cores, the
 two-level allreduce as ``gradcoll.model.hierarchy`` composes it (``--cores``, default the CPUs here): its steps
 inside a "host" through the shared window under the window's model, between the leaders under tcp's, plus its

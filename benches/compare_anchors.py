@@ -182,7 +182,7 @@ def _mpi(op: str):
 
 #: ``gradcoll-shm-same``: the plain, deterministic and bf16-wire allreduce timed in the same processes, taking
 #: turns at every size (plain, det, bf16, plain, ...; median over the turns), so that the variants' costs do
-#: not carry the difference between two launches (on 2 cores one launch of the same code can be 1.5x another).
+#: not carry the difference between two launches (on a machine with few cores, launches of the same code differ widely).
 SAME = "gradcoll-shm-same"
 SAME_ROWS = {"": "gradcoll-shm/same", "det": "gradcoll-shm-det/same", "bf16": "gradcoll-shm-bf16/same"}
 

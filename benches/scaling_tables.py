@@ -14,7 +14,7 @@ from gradcoll.model.costmodel import ALGORITHMS, AlphaBeta, best, busbw, crossov
 from gradcoll.model.hierarchy import flat_time, step_times
 from gradcoll.model.window_model import WINDOW_MODEL
 
-#: Reduction throughput: docs/performance.md, 2 inputs x 1e7 float32 (40 MB of incoming contribution) in 5.52 ms.
+#: Reduction throughput, from the kernel runs of docs/performance.md (2 inputs x 1e7 float32: 40 MB of incoming contribution).
 REDUCE_BPS = 40e6 / 5.52e-3
 LINKS = {"10 Gbit/s": link_model(10, 25e-6, REDUCE_BPS), "100 Gbit/s": link_model(100, 5e-6, REDUCE_BPS)}
 RANKS = (8, 32, 128, 1024)

@@ -26,7 +26,13 @@ predicts fastest):
   ``auto`` runs it whenever the transport offers a window.
 * ``two_level``: for groups spanning hosts, inside each host, between one
   leader per host, and back (picked when the group's host layout is given
-  and the model of ``gradcoll.model.hierarchy`` predicts it fastest).
+  and the model of ``gradcoll.model.hierarchy`` predicts it fastest);
+* ``tree``: a binomial reduce to rank 0 and a binomial broadcast (named
+  only: ``auto`` prefers recursive doubling's fewer rounds).
+
+Every schedule runs every variant (``gradcoll.algorithms.rows``): the
+deterministic and low-precision wire allreduces take ``algorithm=`` as the
+plain one does. ``gradcoll.algorithms.registry`` holds the one list.
 
 Every function also takes ``backend=`` (a kernel backend name) where it
 reduces, and ``workspace=`` to reuse scratch buffers across calls.
@@ -40,6 +46,7 @@ from collections.abc import Callable
 
 from ..model import hierarchy
 from ..model.costmodel import Node, best, crossovers, stored_models
+from ._common import OPS, REDUCE_DTYPES, Workspace, check_op
 from ._witness import announce_close
 from ._witness import attach as attach_witnesses
 from ._witness import wake as wake_collective
@@ -50,13 +57,23 @@ from .direct import direct_allreduce
 from .halving_doubling import halving_doubling_allreduce
 from .recursive_doubling import recursive_doubling_allreduce
 from .reduce_scatter import reduce_scatter
+from .registry import SCHEDULES, Schedule, schedule
 from .ring import ring_allreduce
 from .star import star_allreduce
+from .tree import tree_allreduce
 from .two_level import two_level_allreduce
 
 __all__ = [
     "ALLREDUCE",
+    "OPS",
+    "REDUCE_DTYPES",
+    "Workspace",
+    "check_op",
+    "SCHEDULES",
+    "Schedule",
+    "schedule",
     "select_allreduce",
+    "tree_allreduce",
     "ring_allreduce",
     "star_allreduce",
     "two_level_allreduce",
@@ -75,15 +92,8 @@ __all__ = [
     "wake_collective",
 ]
 
-#: Allreduce algorithms by name.
-ALLREDUCE: dict[str, Callable[..., object]] = {
-    "ring": ring_allreduce,
-    "star": star_allreduce,
-    "recursive_doubling": recursive_doubling_allreduce,
-    "halving_doubling": halving_doubling_allreduce,
-    "direct": direct_allreduce,
-    "two_level": two_level_allreduce,
-}
+#: Allreduce algorithms by name: each schedule's plain form (``SCHEDULES`` has the whole entries).
+ALLREDUCE: dict[str, Callable[..., object]] = {name: s.allreduce for name, s in SCHEDULES.items()}
 
 #: Where "auto" looks for crossovers: below the first size the algorithm that wins there, above the last the one that wins there.
 SEARCH_BYTES = (64, 1 << 30)

@@ -29,6 +29,7 @@ __all__ = [
     "REDUCE_DTYPES",
     "chunk_bounds",
     "segment_bounds",
+    "sit_out",
     "as_flat",
     "check_op",
     "scratch",
@@ -80,6 +81,19 @@ def as_flat(buf: Any, *, reduce: bool, what: str = "buf") -> np.ndarray:
     if reduce and buf.dtype not in REDUCE_DTYPES:
         raise UsageError(f"{what} has dtype {buf.dtype}; reductions take float16, float32 or float64")
     return buf.reshape(-1)
+
+
+def sit_out(coll: Coll, buf: Any, fold: int, unfold: int) -> bool:
+    """Where ``n`` is not a power of two, the even ranks below ``2 (n - p)`` fold ``buf`` into the odd rank above
+    (tag ``fold``) and wait for the result from it (``unfold``): True on such a rank, which is then done."""
+    n, me = coll.size, coll.rank
+    if not (me < 2 * (n - (1 << (n.bit_length() - 1))) and me % 2 == 0):
+        return False
+    coll.step = 1
+    coll.send(me + 1, buf, fold)
+    coll.step = coll.steps
+    coll.recv(me + 1, buf, unfold)
+    return True
 
 
 def check_op(op: str) -> str:

@@ -259,9 +259,8 @@ cdef extern from *:
         return bad | (_mm256_movemask_pd(flag) != 0);
     }
     /* Entered with n a constant for 3 to 8 contributions, as the plain reduce is: the loop
-       over the contributions unrolled, their pointers in registers (1.25-1.35x faster at 1e3-1.6e4 elements
-       of 4 contributions in cache than with n known at run time, which also took three more integer
-       operations per contribution for the magnitudes). */
+       over the contributions unrolled, their pointers in registers (n known only at run time also takes
+       three more integer operations per contribution for the magnitudes). */
     __attribute__((target("avx2"))) static int gcd_exact_f32_avx2(
             const float* const* xs, int n, int64_t m, float* out, double div, double recip, double limit,
             int64_t hi, int64_t lo, int64_t bmin, int64_t F) {
@@ -273,14 +272,11 @@ cdef extern from *:
        its smallest nonzero no smaller). Then its float64 sums are its results; a block that fails (a
        contribution far below, an Inf or a NaN: an exponent of all ones) is done again by the per-element loop
        above. On a passing block no sum is NaN, so the finite check keeps the largest |result| (a maximum)
-       and compares it once. 4 contributions of 4,096 elements in cache: 1.97 against 2.42 us in a C
-       harness (docs/algorithms/deterministic.md).
+       and compares it once (docs/algorithms/deterministic.md).
        Each block asks for the lines of the block two on (GCD_XPF elements, 512 bytes) of every contribution
        first. In the direct allreduce the other ranks' slots were just written by other cores: without the
-       prefetch the loop's instructions waited on those lines instead of overlapping them. Timed inside 4
-       ranks' one-shot 4 KiB calls on 2 cores (rdtsc around the reduction, 2.6 GHz TSC): 2,700 against 3,400-
-       3,800 cycles a call; the plain reduce took 1,600-1,800 there. 256 bytes ahead did as well, 1 and 2 KiB
-       worse, as did fetching into L2 only or fetching every line first. */
+       prefetch the loop's instructions waited on those lines instead of overlapping them; two blocks ahead
+       is near enough to arrive in time and far enough not to evict what is still being read. */
     #define GCD_XBLK 64
     #define GCD_XPF 128
     __attribute__((target("avx2"), always_inline)) static inline int gcd_exact_f32_blk_n(
@@ -999,7 +995,7 @@ cdef class Plan:
 
 
 cdef class Runner:
-    """The ticks and engines of one group window, and the hot path of a plain allreduce in one C call.
+    """The ticks and engines of one group window, and the engine's path of a plain allreduce in one C call.
 
     ``tick`` is the window's next tick (``_window_run`` advances it for every
     collective, the same on every rank); ``plans`` maps a call's key to its
@@ -1029,7 +1025,7 @@ cdef class Runner:
 
     def add_region(self, Py_ssize_t start, Py_ssize_t end):
         """Buffers in ``[start, end)`` (this rank's slot of allocated window ``i``, the ``i``-th added) take
-        the hot path under ``(key, i, offset)``: that region's engine, which reads them in place."""
+        the engine's path under ``(key, i, offset)``: that region's engine, which reads them in place."""
         self.regions.append((start, end))
 
     @staticmethod

@@ -46,7 +46,6 @@ result is read for a marker).
 from __future__ import annotations
 
 import math
-import time
 from collections.abc import Callable
 
 import numpy as np
@@ -125,25 +124,5 @@ def first_marker(coll: Coll, result: np.ndarray, values: np.ndarray | None = Non
     return None
 
 
-#: The dtypes of the compiled paths that run outside the guard (``lean_frame``).
+#: The dtypes of the compiled paths that run outside the guard (``_planned.run_plan``).
 LEAN_DTYPES = (np.dtype(np.float32), np.dtype(np.float64))
-
-
-def lean_frame(t: Transport, buf: np.ndarray, attr: str, algo: str, op: str, check: bool, seq: int,
-               timeout: float | None, any_size: bool = False) -> tuple[np.ndarray, tuple[int, ...], int, float,
-                                                                       float] | None:
-    """The frame of an allreduce that runs outside the guard on ``t``'s compiled call ``attr`` (recursive
-    doubling's rounds, halving-doubling's and the ring's plans): ``(flat, descriptor, tag0, limit, started)``,
-    the guard's descriptor tags so that a rank on the guard's path meets the same frames; None where it cannot
-    (no such call, not a power of two unless ``any_size``, a dtype or a layout the compiled call does not
-    take)."""
-    n = t.size
-    if getattr(t, attr, None) is None or n < 2 or (n & (n - 1) and not any_size) or buf.dtype not in LEAN_DTYPES \
-            or not buf.flags.c_contiguous or not buf.flags.writeable:
-        return None
-    flat = buf.reshape(-1)
-    if flat.nbytes > t.stray_limit:
-        t.stray_limit = flat.nbytes  # as the guard does: frames of this call may arrive as strays
-    desc = descriptor("allreduce", algo, op, flat.dtype, flat.size, seq)
-    tag0 = tags.descriptor_tag(desc + (check,), tags.PLAIN)
-    return flat, desc, tag0, t.timeout if timeout is None else timeout, time.monotonic()

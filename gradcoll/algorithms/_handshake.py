@@ -38,7 +38,7 @@ from typing import Any, NamedTuple
 import numpy as np
 
 from .. import kernels
-from ..errors import CollectiveMismatch, CollectiveTimeout, NonFiniteError, ProtocolError, TransportBroken, TransportClosed
+from ..errors import CollectiveMismatch, CollectiveTimeout, NonFiniteError, ProtocolError, TransportBroken, TransportClosed, UsageError
 from . import tags
 from ._common import Coll
 from ._verdict import HANDSHAKE, LINK_ERRORS, MALFORMED, NONFINITE, OK, status_of, verdict
@@ -49,7 +49,9 @@ __all__ = ["Record", "ROOT", "RECORD_SIZE", "descriptor", "make_record", "with_s
 ROOT = 0
 
 KINDS = ("?", "allreduce", "broadcast", "allgather", "reduce_scatter", "barrier")
-ALGOS = ("-", "ring", "star", "recursive_doubling", "tree", "direct", "two_level", "halving_doubling")
+#: Schedule codes of the records: these first, then each schedule the registry adds (``register_algo``), in its
+#: order, the same on every rank.
+ALGOS = ["-", "ring", "star", "recursive_doubling", "tree", "direct", "two_level", "halving_doubling"]
 OP_CODES = ("-", "mean", "sum", "max", "min")
 
 # present, kind, algo, op, dtype char, itemsize, root, count, seq, status, peer, index, value (64 bytes)
@@ -104,6 +106,16 @@ class Record(NamedTuple):
 _KIND = {k: i for i, k in enumerate(KINDS)}
 _ALGO = {a: i for i, a in enumerate(ALGOS)}
 _OP = {o: i for i, o in enumerate(OP_CODES)}
+
+
+def register_algo(name: str) -> int:
+    """The record code of schedule ``name`` (a new one gets the next code; at most 255)."""
+    if name not in _ALGO:
+        if len(ALGOS) >= 255:
+            raise UsageError(f"no record code left for schedule {name!r}")
+        ALGOS.append(name)
+        _ALGO[name] = len(ALGOS) - 1
+    return _ALGO[name]
 
 
 def descriptor(kind: str, algo: str, op: str | None, dtype: np.dtype | None, count: int, seq: int,

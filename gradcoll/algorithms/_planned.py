@@ -30,7 +30,7 @@ from ._guard import ERRORS, LEAN_DTYPES, fail
 from ._handshake import descriptor
 from ._verdict import NONFINITE
 
-__all__ = ["PLANNED", "Plan", "Prepared", "Schedule", "lean_ok", "prepared", "register", "run_plan"]
+__all__ = ["PLANNED", "Plan", "Prepared", "Schedule", "compiled_ok", "prepared", "register", "run_plan"]
 
 #: ``run_plan``'s ``rest``: runs the rounds from ``done`` on, in the ``Coll`` the guard would have built.
 Rest = Callable[[Coll, np.ndarray, Options, int], None]
@@ -64,23 +64,28 @@ class Schedule:
     tmp_name: str
 
 
-#: Each planned algorithm's schedule and the function that runs its rounds from ``done`` on (``run_plan``'s
-#: ``rest``), by ``Schedule.algo``: what the group's fast path prepares (``prepared``).
-PLANNED: dict[str, tuple[Schedule, Rest]] = {}
+#: ``guarded(transport, buf, op, check_finite, seq, timeout, workspace, backend)``: the algorithm in the guard's
+#: frame, which runs a call its compiled one declined before a byte moved.
+Guarded = Callable[[Transport, np.ndarray, str, bool, int, "float | None", "Workspace | None", "str | None"], np.ndarray]
+
+#: Each planned algorithm's schedule, the function that runs its rounds from ``done`` on (``run_plan``'s
+#: ``rest``) and its guarded form, by ``Schedule.algo``: what a prepared allreduce's ``rounds`` route runs.
+PLANNED: dict[str, tuple[Schedule, Rest, Guarded]] = {}
 
 #: How many prepared calls a transport keeps (sizes, dtypes, ops); more clears them.
 _KEEP = 64
 
 
-def register(sched: Schedule, rest: Rest) -> None:
-    """Add ``sched`` and its ``rest`` to ``PLANNED``."""
-    PLANNED[sched.algo] = (sched, rest)
+def register(sched: Schedule, rest: Rest, guarded: Guarded) -> None:
+    """Add ``sched``, its ``rest`` and its guarded form to ``PLANNED``."""
+    PLANNED[sched.algo] = (sched, rest, guarded)
 
 
-def lean_ok(t: Transport, buf: np.ndarray, any_size: bool) -> bool:
-    """Whether ``run_plan`` can take ``buf`` on ``t`` (``lean_frame``'s conditions)."""
+def compiled_ok(t: Transport, buf: np.ndarray, any_size: bool) -> bool:
+    """Whether ``run_plan`` can take ``buf`` on ``t``: compiled rounds, a group of two or more (a power of two
+    unless ``any_size``), a float32 or float64 buffer it can work on in place."""
     n = t.size
-    return getattr(t, "exchange_plan", None) is not None and n >= 2 and (any_size or not n & (n - 1)) \
+    return t.rounds is not None and n >= 2 and (any_size or not n & (n - 1)) \
         and buf.dtype in LEAN_DTYPES and buf.flags.c_contiguous and buf.flags.writeable
 
 
@@ -101,8 +106,7 @@ class Prepared:
         self.tail = (check,) + tags.PLAIN
         self.tag_at = tuple((FIELDS * k + TAG, p) for k, p in enumerate(got.phases))
         self.rounds, self.tmpn = len(got.peers), max(got.tmp, 1)
-        make_runner = getattr(t, "plan_runner", None)
-        self.runner = None if make_runner is None else make_runner(got.peers, got.sources)
+        self.runner = None if t.rounds is None else t.rounds.plan_runner(got.peers, got.sources)
         if count * dtype.itemsize > t.stray_limit:
             t.stray_limit = count * dtype.itemsize  # as the guard does: frames of this call may arrive as strays
 
@@ -125,8 +129,9 @@ class Prepared:
             if self.runner is not None:
                 done = self.runner(flat, tmp, spec, limit, t.size, check, found, at)
             else:
-                done = int(t.exchange_plan(got.peers, flat, tmp, spec, limit, t.size, check,  # type: ignore[attr-defined]
-                                           found, at, got.sources))
+                assert t.rounds is not None  # (``compiled_ok``)
+                done = int(t.rounds.exchange_plan(got.peers, flat, tmp, spec, limit, t.size, check, found, at,
+                                                  got.sources))
         except ERRORS as exc:
             failed = _coll(t, self.sched.name, flat, seq, limit, started, desc, tag0, self.rounds, at[0], found)
             peer = getattr(exc, "peer", None)  # (the engine's errors name the link's peer)
@@ -154,7 +159,7 @@ def prepared(t: Transport, sched: Schedule, rest: Rest, count: int, dtype: np.dt
              check: bool) -> Prepared:
     """The transport's ``Prepared`` call of ``sched`` on ``count`` elements of ``dtype`` (kept per transport)."""
     key = (sched.algo, count, dtype, op, check)
-    cache: dict[Any, Prepared] = t.__dict__.setdefault("_lean_plans", {})
+    cache: dict[Any, Prepared] = t.__dict__.setdefault("_prepared_plans", {})
     got = cache.get(key)
     if got is None:
         if len(cache) >= _KEEP:
@@ -167,7 +172,7 @@ def run_plan(t: Transport, buf: np.ndarray, op: str, check: bool, seq: int, time
              ws: Workspace | None, rest: Rest, sched: Schedule) -> bool:
     """The allreduce of ``buf`` with every round of ``sched`` in one compiled call; False: declined, nothing moved
     (the guard's path runs it). ``rest(coll, flat, opts, done)`` runs the rounds from ``done`` on."""
-    if not lean_ok(t, buf, sched.any_size):
+    if not compiled_ok(t, buf, sched.any_size):
         return False
     run = prepared(t, sched, rest, buf.size, buf.dtype, op, bool(check))
     return run(seq, buf, t.timeout if timeout is None else timeout, ws)

@@ -70,7 +70,7 @@ def group_window(t: Transport, timeout: float | None, what: str, seq: int = 0, n
     The window is made at the first collective that needs it (collectively);
     a rank that does not arrive for that is named as in any collective.
     """
-    win = t._group_window
+    win = t.shared_window
     if win is not None:
         return win
     try:
@@ -89,7 +89,7 @@ def group_window(t: Transport, timeout: float | None, what: str, seq: int = 0, n
 class _State:
     """Per group window: the next tick (the same on every rank) and the engines built so far.
 
-    With the extension, ``_direct_c.Runner`` is the state (and the hot path).
+    With the extension, ``_direct_c.Runner`` is the state (and the engine's path).
     """
 
     def __init__(self) -> None:
@@ -110,7 +110,7 @@ def run(t: Transport, win: Window, key: tuple[Any, ...], build: Callable[[], tup
         backend: str | None = None, fast: Hashable | None = None) -> None:
     """Run one collective on ``win``: the engine of ``key`` (made by ``build`` the first time) over ``buf``.
 
-    ``fast``: the hot-path key (``Runner.key``, with the region and offset
+    ``fast``: the engine's key (``Runner.key``, with the region and offset
     for an allocated buffer) under which the compiled engine also goes.
     """
     st = state(t, win)

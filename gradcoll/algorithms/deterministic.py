@@ -21,147 +21,92 @@ This one does not, and it moves the same bytes as the ordinary one:
   gradients of one parameter), nothing is rounded before the sum and the
   result equals ``float32(float64_sum / n)`` bit for bit.
 
-Schedules (``algorithm``), each with the bytes of its ordinary counterpart:
-
-* ``ring``: a direct reduce-scatter (rank ``q`` sends its raw chunk ``c`` to
-  rank ``c``; ``n - 1`` chunks of ``S/n`` out, ``n - 1`` in, in
-  ``segment_bytes`` pieces), the owner reduces each piece of its chunk with
-  all ``n`` contributions as soon as they are in and sends the finished
-  piece straight to every other rank (a direct allgather, overlapping the
-  reductions still to come). ``n - 1`` pieces of ``S/n`` out and in per
-  phase: the ring's bytes, in two steps of latency instead of ``2(n-1)``.
-* ``star``: rank 0 receives every raw buffer, reduces, sends the result.
-* ``recursive_doubling``: a recursive-doubling allgather of the raw buffers
-  (``gradcoll.algorithms._gather_raw``: ``log2 p`` rounds, doubling blocks; a
-  non-power-of-two rank folds its buffer into a partner first and gets the
-  result back last), then every rank reduces all ``n`` rows itself. ``n``
-  times the buffer in scratch: a schedule for small buffers.
+Every schedule runs it (``gradcoll.algorithms.rows``): each gathers the raw
+rows of a piece where the piece is reduced, by its own pattern of messages,
+and shares the result as its plain form does. ``ring`` (a direct
+reduce-scatter and allgather: the ring's bytes in two steps of latency),
+``star``, ``recursive_doubling`` (an allgather of the raw buffers, then
+every rank reduces: for small buffers), ``halving_doubling`` (a recursive
+halving of the rows), ``tree``, ``two_level`` (the hosts' rows to their
+leaders, a direct reduce-scatter between leaders) and ``direct`` (the shared
+window, with the same exact kernel) all give the same bits. ``max`` and
+``min`` are exact in any order, so they run the schedule's plain form.
 
 Non-finite inputs are found by the ordinary local check and travel as a
 planted NaN (``gradcoll.algorithms._guard``); an ``op="sum"`` that overflows the output dtype
-is planted at the start of the reduced piece (in the ring, each segment of the owner's chunk).
+is planted at the start of the reduced piece.
 See docs/algorithms/deterministic.md.
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Hashable, Sequence
 
 import numpy as np
 
 from ..errors import UsageError
 from ..kernels import exact_reduce, exact_reference
 from ..transport.base import Transport
-from . import ALLREDUCE, tags
-from ._common import Coll, Options, Workspace, chunk_bounds, plant, scratch, segment_bounds
-from ._gather_raw import raw_recursive_doubling, raw_star
+from . import tags
+from ._common import Options, Workspace, plant
 from ._guard import guarded_allreduce
+from .registry import schedule
 from .ring import SEGMENT_BYTES
+from .rows import RowsCall
 
-__all__ = ["deterministic_allreduce", "exact_reduce", "fraction_bits"]
+__all__ = ["deterministic_allreduce", "exact_reduce", "fraction_bits", "ExactRows"]
 
 fraction_bits = exact_reference.fraction_bits
 
+#: The dtypes the exact reduction takes.
+EXACT_DTYPES = (np.dtype(np.float32), np.dtype(np.float64))
 
 
 def deterministic_allreduce(transport: Transport, buf: np.ndarray, *, algorithm: str = "ring", op: str = "mean",
                             check_finite: bool = True, seq: int = 0, timeout: float | None = None,
                             workspace: Workspace | None = None, backend: str | None = None,
-                            segment_bytes: int = SEGMENT_BYTES) -> np.ndarray:
+                            segment_bytes: int = SEGMENT_BYTES,
+                            hosts: Sequence[Hashable] | None = None, **_: object) -> np.ndarray:
     """Allreduce ``buf`` (float32/float64) in place with bit-identical results under any schedule; returns ``buf``.
 
-    ``segment_bytes``: the ring's reduce-scatter travels and is reduced in
-    pieces of this size (the star and recursive doubling ignore it).
+    ``segment_bytes``: the ring's pieces. ``hosts``: the two-level schedule's
+    host of every rank.
     """
     if not isinstance(buf, np.ndarray) or not buf.flags.c_contiguous or not buf.flags.writeable:
         raise UsageError("buf must be a writeable C-contiguous numpy array")
-    if buf.dtype not in (np.dtype(np.float32), np.dtype(np.float64)):
+    if buf.dtype not in EXACT_DTYPES:
         raise UsageError(f"deterministic allreduce takes float32 or float64, got {buf.dtype}")
+    entry = schedule(algorithm)
+    if op in ("max", "min"):  # exact in any order: the plain form gives the same bits under every schedule
+        kw: dict[str, object] = {"hosts": hosts} if algorithm == "two_level" else {}
+        return entry.allreduce(transport, buf, op=op, check_finite=check_finite, seq=seq,  # type: ignore[return-value]
+                               timeout=timeout, workspace=workspace, backend=backend, **kw)
     if op not in ("mean", "sum"):
-        raise UsageError(f"deterministic allreduce takes op 'mean' or 'sum', got {op!r}")
-    if algorithm not in ALLREDUCE:
-        raise UsageError(f"unknown allreduce algorithm {algorithm!r}; known: {', '.join(ALLREDUCE)}")
-    if algorithm == "direct":  # on the shared window, with the same exact kernel
+        raise UsageError(f"op must be one of mean, sum, max, min; got {op!r}")
+    if entry.rows is None:  # the shared window, with the same exact kernel
         from .direct import direct_exact
 
         return direct_exact(transport, buf, op=op, check_finite=check_finite, seq=seq, timeout=timeout,
                             backend=backend)
-    divisor = float(transport.size) if op == "mean" else 1.0
-    schedule = _SCHEDULES[algorithm]
+    rows, reducer = entry.rows, ExactRows(float(transport.size) if op == "mean" else 1.0, check_finite, backend)
 
-    def body(coll: Coll, flat: np.ndarray, opts: Options) -> None:
-        schedule(coll, flat, _reducer(divisor, opts), opts.workspace, segment_bytes)
+    def body(coll: object, flat: np.ndarray, opts: Options) -> None:
+        rows(coll, RowsCall(flat, reducer, opts.workspace, segment_bytes, hosts))  # type: ignore[arg-type]
 
     return guarded_allreduce(transport, buf, Options(op, check_finite, seq, timeout, workspace, backend),
                              name=f"deterministic {algorithm} allreduce", algo=algorithm, variant=tags.DETERMINISTIC,
                              body=body)
 
 
-Reduce = Callable[[np.ndarray, np.ndarray, np.ndarray], None]
+class ExactRows:
+    """The deterministic variant (``gradcoll.algorithms.rows.Rows``): ``n`` rows summed exactly, divided, rounded
+    once; with ``check``, an output that overflowed marks ``out``."""
 
+    __slots__ = ("divisor", "check", "backend")
 
-def _reducer(divisor: float, opts: Options) -> Reduce:
-    """``reduce(own, rows, out)``; with check_finite, an output that overflowed marks ``out`` (the error path names it)."""
-    check, backend = opts.check_finite, opts.backend
+    def __init__(self, divisor: float, check: bool, backend: str | None) -> None:
+        self.divisor, self.check, self.backend = divisor, check, backend
 
-    def reduce(own: np.ndarray, rows: np.ndarray, out: np.ndarray) -> None:
-        if exact_reduce(own, rows, out, divisor, backend) >= 0 and check:
+    def reduce(self, rows: np.ndarray, out: np.ndarray) -> None:
+        if exact_reduce(rows[0], rows[1:], out, self.divisor, self.backend) >= 0 and self.check:
             plant(out)
-    return reduce
-
-
-def _ring(coll: Coll, flat: np.ndarray, reduce: Reduce, ws: Workspace | None, segment_bytes: int) -> None:
-    n, q = coll.size, coll.rank
-    bounds = chunk_bounds(flat.size, n)
-    lo, hi = bounds[q], bounds[q + 1]
-    seg = max(1, segment_bytes // flat.itemsize)
-    coll.marks = [a for c in range(n) for a, b in segment_bounds(bounds[c], bounds[c + 1], seg) if b > a]
-    # Segment g of this rank's chunk, from all n-1 peers, lands contiguously as (n-1, length) at (n-1) * its offset,
-    # so it is reduced the moment its n-1 pieces are in while later segments are still on the wire.
-    rows = scratch(ws, "det_rows", (n - 1) * (hi - lo), flat.dtype)
-    mine = segment_bounds(lo, hi, seg)
-    rs, ag = coll.tag0 + tags.RAW_RS, coll.tag0 + tags.RAW_AG
-    coll.begin(n)
-    coll.step = 1
-    blocks = [rows[(n - 1) * (a - lo): (n - 1) * (b - lo)].reshape(n - 1, b - a) for a, b in mine]
-    recvs = [[coll.irecv((q - s) % n, blk[s - 1], rs) for s in range(1, n)] for blk in blocks]
-    sends = []
-    for s in range(1, n):
-        c = (q + s) % n
-        sends += [(coll.isend(c, flat[a:b], rs), c) for a, b in segment_bounds(bounds[c], bounds[c + 1], seg)]
-    shared = []
-    for (a, b), blk, reqs in zip(mine, blocks, recvs, strict=True):
-        for s in range(1, n):
-            coll.step = s
-            coll.wait(reqs[s - 1], (q - s) % n)
-        reduce(flat[a:b], blk, flat[a:b])  # marks the segment's start when it overflowed
-        shared += [(coll.isend((q + s) % n, flat[a:b], ag), (q + s) % n) for s in range(1, n)]  # straight to everyone
-    for req, c in sends:  # before anything lands in the regions those sends read
-        coll.wait(req, c)
-    gets = [(coll.irecv(c, flat[a:b], ag), c) for c in range(n) if c != q for a, b in segment_bounds(bounds[c], bounds[c + 1], seg)]
-    coll.step = n
-    for req, c in gets:
-        coll.wait(req, c)
-    for req, c in shared:
-        coll.wait(req, c)
-
-
-def _star(coll: Coll, flat: np.ndarray, reduce: Reduce, ws: Workspace | None, segment_bytes: int) -> None:
-    n = coll.size
-
-    def reduce_rows(rows: np.ndarray, wait: Callable[[int], object]) -> None:
-        for p in range(1, n):
-            wait(p)
-        reduce(flat, rows, flat)
-
-    raw_star(coll, flat, lambda: scratch(ws, "det_rows", (n - 1, flat.size), flat.dtype), reduce_rows)
-
-
-def _rd(coll: Coll, flat: np.ndarray, reduce: Reduce, ws: Workspace | None, segment_bytes: int) -> None:
-    """Recursive-doubling allgather of the raw buffers (``gradcoll.algorithms._gather_raw``), then a local exact reduce."""
-    raw_recursive_doubling(coll, flat, lambda: scratch(ws, "det_all", (coll.size, flat.size), flat.dtype),
-                           lambda rows: reduce(rows[0], rows[1:], flat))
-
-
-_SCHEDULES = {"ring": _ring, "star": _star, "recursive_doubling": _rd}
-

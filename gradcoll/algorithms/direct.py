@@ -49,25 +49,22 @@ from ._guard import guarded_allreduce
 from ._window_plan import BF16, EXACT, FP16, OPS, PLAIN, describe, shape
 from ._window_run import failed, group_window, run, state
 
-__all__ = ["direct_allreduce", "hot_allreduce", "hot_variant", "variant_name", "VARIANT_NAMES", "direct_exact",
+__all__ = ["direct_allreduce", "engine_allreduce", "engine_variant", "variant_name", "VARIANT_NAMES", "direct_exact",
            "direct_wire", "alloc", "one_shot_limit", "PIECE_BYTES", "SEG_BYTES"]
 
-#: One-shot: bytes per piece; two-shot: bytes per chunk per piece (tuned on the 2-core machine).
+#: One-shot: bytes per piece; two-shot: bytes per chunk per piece (pieces that stay in a core's cache).
 PIECE_BYTES = 256 << 10
 SEG_BYTES = 128 << 10
 #: The deterministic reduction of 3 or more ranks is bound by its kernel's instructions: in smaller segments
-#: the copies of one overlap the reduction of another (measured at 4 ranks: 1.06-1.11x the plain call at
-#: 256 KiB, 1.13-1.16x with SEG_BYTES).
+#: the copies of one overlap the reduction of another.
 EXACT_SEG_BYTES = 32 << 10
 _MODES = (None, "one-shot", "two-shot")
 
 
 #: The bf16/fp16 variants, and the deterministic one of 3 or more ranks, run one-shot up to at most this many
-#: bytes of the caller's buffer per rank. Their reductions (the exact kernel; the rounding of every sum to the wire and back) are several
-#: times a plain one's work per element, and one-shot has every rank run them on the whole buffer. Forced
-#: two-shot against one-shot (docs/algorithms/direct.md, "Schedules"): on 2 ranks the bf16 call took 0.62-0.92x
-#: the time from 4 KiB to 64 KiB, the deterministic one 0.88-1.04x; on 4 ranks, at 64 KiB, 0.56-1.03x and
-#: 0.43-0.60x (4 KiB, which stays one-shot there, and 16 KiB went either way from run to run).
+#: bytes of the caller's buffer per rank. Their reductions (the exact kernel; the rounding of every sum to the
+#: wire and back) are several times a plain one's work per element, and one-shot has every rank run them on the
+#: whole buffer, so two-shot wins from a few KiB on (docs/algorithms/direct.md, "Schedules").
 HEAVY_ONE_SHOT_BYTES_PER_RANK = 1 << 10
 
 
@@ -98,7 +95,7 @@ def direct_allreduce(transport: Transport, buf: np.ndarray, *, op: str = "mean",
                          workspace=workspace, backend=backend, mode=mode)
         np.copyto(buf.reshape(-1), wide, casting="unsafe")
         return buf
-    if mode is None and backend in (None, "cython") and _hot(transport, buf, op, check_finite, seq, timeout, PLAIN):
+    if mode is None and backend in (None, "cython") and _engine_call(transport, buf, op, check_finite, seq, timeout, PLAIN):
         return buf
     flat = as_flat(buf, reduce=True)
     check_op(op)
@@ -106,23 +103,23 @@ def direct_allreduce(transport: Transport, buf: np.ndarray, *, op: str = "mean",
     return buf
 
 
-#: ``hot_allreduce``'s variants: (deterministic, wire_dtype) of a float32 buffer; float64 takes the first two.
+#: ``engine_allreduce``'s variants: (deterministic, wire_dtype) of a float32 buffer; float64 takes the first two.
 _HOT_VARIANTS = {(False, None): PLAIN, (True, None): EXACT, (False, "bf16"): BF16, (False, "fp16"): FP16}
 
 
-def hot_variant(dtype: np.dtype[Any], op: str, deterministic: bool, wire: str | None) -> int | None:
-    """The window variant ``hot_allreduce`` runs for a native float32/float64 buffer, or None: the general path's."""
+def engine_variant(dtype: np.dtype[Any], op: str, deterministic: bool, wire: str | None) -> int | None:
+    """The window variant ``engine_allreduce`` runs for a native float32/float64 buffer, or None: the general path's."""
     variant = _HOT_VARIANTS.get((deterministic, wire))
     if variant is None or (variant != PLAIN and op not in ("mean", "sum")) or (variant >= BF16 and dtype.itemsize != 4):
         return None
     return variant
 
 
-def hot_allreduce(seq: int, transport: Transport, buf: np.ndarray, op: str, check_finite: bool, timeout: float,
+def engine_allreduce(seq: int, transport: Transport, buf: np.ndarray, op: str, check_finite: bool, timeout: float,
                   workspace: Workspace | None, backend: str | None, variant: int = PLAIN) -> np.ndarray:
-    """The direct allreduce of a plain C-contiguous float32/float64 array (``variant``: ``hot_variant``'s),
-    positionally: the group's one-host fast path, straight into the compiled hot path once it has its engine."""
-    win = transport._group_window  # _hot's steps, one call fewer
+    """The direct allreduce of a plain C-contiguous float32/float64 array (``variant``: ``engine_variant``'s),
+    positionally: the group's one-host fast path, straight into the compiled engine once it has its engine."""
+    win = transport.shared_window  # _hot's steps, one call fewer
     runner = None if win is None or backend not in (None, "cython") else win.cache.get("window-run")
     if win is not None and runner is not None and hasattr(runner, "fast"):
         started = time.monotonic()
@@ -144,7 +141,7 @@ def hot_allreduce(seq: int, transport: Transport, buf: np.ndarray, op: str, chec
 def direct_exact(transport: Transport, buf: np.ndarray, *, op: str, check_finite: bool, seq: int,
                  timeout: float | None, backend: str | None = None, mode: str | None = None) -> np.ndarray:
     """The deterministic allreduce on the window (``deterministic_allreduce(algorithm="direct")``)."""
-    if mode is None and backend in (None, "cython") and _hot(transport, buf, op, check_finite, seq, timeout, EXACT):
+    if mode is None and backend in (None, "cython") and _engine_call(transport, buf, op, check_finite, seq, timeout, EXACT):
         return buf
     _allreduce(transport, buf, buf.reshape(-1), op, check_finite, seq, timeout, backend, EXACT, mode)
     return buf
@@ -158,7 +155,7 @@ def direct_wire(transport: Transport, buf: np.ndarray, *, wire: str, op: str, ch
     out) or 16-bit wire values already (copied as they are).
     """
     variant = BF16 if wire == "bf16" else FP16
-    if mode is None and backend in (None, "cython") and _hot(transport, buf, op, check_finite, seq, timeout, variant):
+    if mode is None and backend in (None, "cython") and _engine_call(transport, buf, op, check_finite, seq, timeout, variant):
         return buf
     flat = buf.reshape(-1)
     if flat.dtype != np.float32:
@@ -168,13 +165,13 @@ def direct_wire(transport: Transport, buf: np.ndarray, *, wire: str, op: str, ch
     return buf
 
 
-def _hot(t: Transport, buf: np.ndarray, op: str, check: bool, seq: int, timeout: float | None, variant: int) -> bool:
-    """The hot path: the whole call in one C call (``Runner.allreduce``) once its engine exists; True if it ran.
+def _engine_call(t: Transport, buf: np.ndarray, op: str, check: bool, seq: int, timeout: float | None, variant: int) -> bool:
+    """The engine's path: the whole call in one C call (``Runner.allreduce``) once its engine exists; True if it ran.
 
     It declines (False) what it has no engine for yet (the first call of a
     size, op and variant, a region, another dtype): ``_allreduce`` builds it.
     """
-    win = t._group_window
+    win = t.shared_window
     runner = None if win is None else win.cache.get("window-run")
     code = OPS.get(op)
     if win is None or runner is None or code is None or not hasattr(runner, "fast"):
@@ -203,7 +200,7 @@ def _allreduce(t: Transport, buf: np.ndarray, flat: np.ndarray, op: str, check: 
     region = None if wire else _region(win, flat)
     n = t.size
     # the cost model's choice, unless GRADCOLL_DIRECT_MODE names one (read as the engine is built; such an engine
-    # still serves the hot path, as the model's would)
+    # still serves the engine's path, as the model's would)
     chosen = mode if mode is not None else forced_mode()
     two = region is not None or chosen == "two-shot" or (
         chosen is None and flat.nbytes > one_shot_limit(n, variant))

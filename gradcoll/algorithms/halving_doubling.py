@@ -32,104 +32,64 @@ first element of the half being summed, which is the first element of a
 chunk; every later round carries it to the chunk's owner, and the allgather
 to every rank. See docs/algorithms/halving_doubling.md.
 
-Over tcp, power-of-two groups run every round as one compiled call of the
-transport's exchange-and-reduce (``Transport.exchange_reduce`` with a send
-array of its own): a reduce-scatter round adds the peer's bytes as they
-arrive, an allgather round (``copy``) receives them in place. All the rounds
-are one such call where the transport has that (``Transport.exchange_plan``).
+Over a transport with compiled rounds (``Transport.rounds``: tcp's),
+power-of-two groups run every round, float32 or float64 mean or sum, in one
+compiled call (``_hd_planned``): a reduce-scatter round adds the peer's
+bytes as they arrive, an allgather round receives them in place. A call it
+declines before a byte moves runs in the guard's frame (``hd_pass``), and
+so do the rounds after one that stopped early.
 """
 
 from __future__ import annotations
 
-import time
-from collections.abc import Callable
-
 import numpy as np
 
 from ..transport.base import Transport
-from ..transport.plan import set_tags
 from . import tags
-from ._common import Coll, Options, Workspace, chunk_bounds, combiner, plant, scratch
-from ._guard import LEAN_DTYPES, guarded_allreduce
-from ._handshake import local_status
-from ._hd_planned import NAME, SCHEDULE, hd_schedule, plan_arrays, planned
+from ._common import Coll, Options, Workspace, chunk_bounds, combiner, scratch, sit_out
+from ._guard import guarded_allreduce
+from ._hd_planned import NAME, SCHEDULE, hd_schedule, planned
 from ._planned import register
-from ._verdict import NONFINITE
+from .rows import RowsCall
 
-__all__ = ["halving_doubling_allreduce", "hd_pass", "hd_schedule"]
+__all__ = ["halving_doubling_allreduce", "hd_pass", "hd_rows", "hd_schedule"]
 
 _STEP_OPS = ("mean", "sum")
-_STEP_DTYPES = LEAN_DTYPES
-_DECLINED, _MOVED = -1, 0  # exchange_reduce's outcomes: nothing moved; moved, not reduced (gradcoll.transport.tcp_fast)
 
 
 def halving_doubling_allreduce(transport: Transport, buf: np.ndarray, *, op: str = "mean", check_finite: bool = True,
                                seq: int = 0, timeout: float | None = None, workspace: Workspace | None = None,
                                backend: str | None = None) -> np.ndarray:
     """Allreduce ``buf`` in place by recursive halving and doubling; returns ``buf``."""
-    opts = Options(op, check_finite, seq, timeout, workspace, backend)
-    n = transport.size
-    if getattr(transport, "exchange_reduce", None) is None or n < 2 or n & (n - 1) or op not in _STEP_OPS \
-            or backend not in (None, "cython"):
-        return guarded_allreduce(transport, buf, opts, name=_NAME, algo="halving_doubling", body=hd_pass)
-    if type(buf) is np.ndarray and planned(transport, buf, op, check_finite, seq, timeout, workspace, _rest):
+    if type(buf) is np.ndarray and op in _STEP_OPS and backend in (None, "cython") \
+            and planned(transport, buf, op, check_finite, seq, timeout, workspace, _rest):
         return buf
-    stepped: list[bool] = []
-
-    def prepare(coll: Coll, flat: np.ndarray) -> None:
-        # The compiled rounds check the input a piece at a time as they send it and add into it (the first
-        # round touches every element); anything else checks it here, as the frame would have.
-        if flat.dtype in _STEP_DTYPES and flat.flags.c_contiguous and flat.flags.writeable:
-            stepped.append(True)
-            return
-        coll.status = local_status(flat, opts.check_finite, opts.backend)
-        if coll.status is not None:
-            plant(flat)
-
-    def body(coll: Coll, flat: np.ndarray, o: Options) -> None:
-        hd_pass(coll, flat, o, stepped=bool(stepped))
-
-    return guarded_allreduce(transport, buf, opts, name=_NAME, algo="halving_doubling", body=body, prepare=prepare)
+    return _guarded(transport, buf, op, check_finite, seq, timeout, workspace, backend)
 
 
-_NAME = NAME
+def _guarded(transport: Transport, buf: np.ndarray, op: str, check_finite: bool, seq: int, timeout: float | None,
+             workspace: Workspace | None, backend: str | None) -> np.ndarray:
+    return guarded_allreduce(transport, buf, Options(op, check_finite, seq, timeout, workspace, backend), name=NAME,
+                             algo="halving_doubling", body=hd_pass)
 
 
 def _rest(coll: Coll, flat: np.ndarray, opts: Options, done: int) -> None:
-    """The rounds of ``_hd_planned``'s call from ``done`` on, through the compiled step."""
-    hd_pass(coll, flat, opts, stepped=True, done=done)
+    """The rounds of ``_hd_planned``'s call from ``done`` on (the first, which checked the input, is done)."""
+    hd_pass(coll, flat, opts, done=done)
 
 
-register(SCHEDULE, _rest)
+register(SCHEDULE, _rest, _guarded)
 
 
-def hd_pass(coll: Coll, flat: np.ndarray, opts: Options, divisor: int | None = None, *, stepped: bool = False,
-            done: int | None = None) -> None:
+def hd_pass(coll: Coll, flat: np.ndarray, opts: Options, divisor: int | None = None, *, done: int = 0) -> None:
     """The allreduce's schedule; ``mean`` divides by ``divisor`` (default the size; see ``ring.ring_pass``).
-
-    ``stepped``: the rounds go through the transport's
-    compiled ``exchange_reduce`` (a power-of-two group, float32/float64,
-    mean or sum), which also checks this rank's input in the first round:
-    nothing else has checked it (``halving_doubling_allreduce``'s
-    ``prepare``). A round it declines runs here, the first one after the
-    frame's own check. ``done``: the rounds already done (by ``_hd_planned``'s one call); None: every round
-    in one call where the transport has that, else none.
-    """
+    ``done``: the rounds of a power-of-two group already done (by ``_hd_planned``'s one compiled call)."""
     n, me = coll.size, coll.rank
-    p = 1 << (n.bit_length() - 1)
-    r = n - p
-    rounds = p.bit_length() - 1
-    bounds = chunk_bounds(flat.size, p)
-    coll.marks = [bounds[c] for c in range(p) if bounds[c + 1] > bounds[c]]
-    combine = combiner(opts, n if divisor is None else divisor)
-    fold, rs, ag, unfold = (coll.tag0 + phase for phase in (tags.HD_FOLD, tags.HD_RS, tags.HD_AG, tags.HD_UNFOLD))
-    coll.begin(2 * rounds + (2 if r else 0))
-    if me < 2 * r and me % 2 == 0:  # sits out: fold in, then wait for the result
-        coll.step = 1
-        coll.send(me + 1, flat, fold)
-        coll.step = coll.steps
-        coll.recv(me + 1, flat, unfold)
+    got = _begin(coll, flat, (tags.HD_FOLD, tags.HD_RS, tags.HD_AG, tags.HD_UNFOLD))
+    if got is None:
         return
+    p, r, rounds, bounds, (fold, rs, ag, unfold) = got
+    combine = combiner(opts, n if divisor is None else divisor)
     half = bounds[p // 2]  # the first round's halves are the largest parts a rank receives (the fold: all of it)
     tmp = scratch(opts.workspace, "hd", max(flat.size - half, half, 1) if r == 0 else max(flat.size, 1), flat.dtype)
     base = 0
@@ -146,21 +106,12 @@ def hd_pass(coll: Coll, flat: np.ndarray, opts: Options, divisor: int | None = N
     def rank_of(pv: int) -> int:
         return 2 * pv + 1 if pv < r else pv + r
 
-    step = _step(coll, opts, n if divisor is None else divisor) if stepped else None
-    if done is None:
-        done = _all_rounds(coll, opts, n if divisor is None else divisor, flat, tmp, plan, bounds, rs, ag) \
-            if step is not None and r == 0 else 0
     for k, (pv, klo, khi, slo, shi) in enumerate(plan):
         if k < done:
             continue
         coll.step = base + k + 1
         a, b, c, d = bounds[klo], bounds[khi], bounds[slo], bounds[shi]
-        how = _DECLINED if step is None else step(k, rank_of(pv), flat, (a, b, c, d), tmp[: b - a], rs,
-                                                  k == rounds - 1)
-        if how > _MOVED:  # moved and reduced
-            continue
-        if how == _DECLINED:
-            coll.sendrecv(rank_of(pv), flat[c:d], tmp[: b - a], rs)
+        coll.sendrecv(rank_of(pv), flat[c:d], tmp[: b - a], rs)
         if b > a:
             combine(flat[a:b], tmp[: b - a], k == rounds - 1)
     for k in range(rounds - 1, -1, -1):
@@ -168,77 +119,82 @@ def hd_pass(coll: Coll, flat: np.ndarray, opts: Options, divisor: int | None = N
             continue
         pv, klo, khi, slo, shi = plan[k]
         coll.step = base + 2 * rounds - k
-        mine, theirs = flat[bounds[klo] : bounds[khi]], flat[bounds[slo] : bounds[shi]]
-        if step is None or step(k, rank_of(pv), flat, (bounds[slo], bounds[shi], bounds[klo], bounds[khi]), None,
-                                ag, False) == _DECLINED:
-            coll.sendrecv(rank_of(pv), mine, theirs, ag)
+        coll.sendrecv(rank_of(pv), flat[bounds[klo]: bounds[khi]], flat[bounds[slo]: bounds[shi]], ag)
     if me < 2 * r:
         coll.step = coll.steps
         coll.send(me - 1, flat, unfold)
 
 
-def _all_rounds(coll: Coll, opts: Options, divisor: int, flat: np.ndarray, tmp: np.ndarray,
-                plan: list[tuple[int, int, int, int, int]], bounds: list[int], rs: int, ag: int) -> int:
-    """Every round of a power-of-two group in one compiled call where the transport has that
-    (``Transport.exchange_plan``): how many rounds it did (0: none, nothing moved; the loops run the rest).
+def _begin(coll: Coll, flat: np.ndarray, phases: tuple[int, int, int, int]
+           ) -> tuple[int, int, int, list[int], tuple[int, ...]] | None:
+    """Both forms' start: ``(p, r, rounds, bounds, tags)`` (the ``p`` chunks' starts are the marker slots), or
+    None on a rank that sat out (it folded ``flat`` in and has the result)."""
+    n = coll.size
+    p = 1 << (n.bit_length() - 1)
+    rounds = p.bit_length() - 1
+    bounds = chunk_bounds(flat.size, p)
+    coll.marks = [bounds[c] for c in range(p) if bounds[c + 1] > bounds[c]]
+    tags_ = tuple(coll.tag0 + phase for phase in phases)
+    coll.begin(2 * rounds + (2 if n > p else 0))
+    if sit_out(coll, flat, tags_[0], tags_[3]):
+        return None
+    return p, n - p, rounds, bounds, tags_
 
-    The reduce-scatter rounds, then the allgather's in reverse, each as ``_step`` runs it; the first one
-    checks this rank's input (a non-finite element goes into ``coll.status``).
+
+def hd_rows(coll: Coll, call: RowsCall) -> None:
+    """Halving-doubling's rows form (``gradcoll.algorithms.rows``): a recursive halving of the raw rows, the
+    owner's reduce, then the recursive-doubling allgather of the results.
+
+    The rounds are ``hd_schedule``'s. In reduce-scatter round ``k`` an
+    active rank holds the rows of a block of ``2**k`` virtual ranks (a
+    contiguous range of real ranks, as in ``rd_rows``) for the chunks it
+    still keeps; it sends those rows of the half it gives up and receives
+    the partner's block's rows of the half it keeps: ``S/2`` each way per
+    round, ``S/2 log2 p`` in all (the plain form's ``S (p - 1)/p``: raw
+    rows cannot be added on the way). After the last round it holds all
+    ``n`` rows of its chunk, reduces them, and the allgather rounds copy the
+    results as the plain form's do.
     """
-    t = coll.t
-    run = getattr(t, "exchange_plan", None)
-    if run is None:
-        return 0
-    rounds = len(plan)
-    peers, spec = plan_arrays(plan, bounds, opts.op == "mean")
-    set_tags(spec, [rs] * rounds + [ag] * rounds)
-    found: list[tuple[int, float]] = []
-    at = [0]
-    t0 = time.perf_counter()
-    try:
-        return int(run(peers, flat, tmp, spec, coll.deadline.remaining(), divisor, opts.check_finite, found, at))
-    except BaseException:
-        coll.step = at[0] + 1  # the round that failed, for the error (no fold: the group is a power of two)
-        raise
-    finally:
-        t.note_wait(time.perf_counter() - t0)  # as Coll.sendrecv counts it (ProcessGroup.stats() "wait time")
-        if found and coll.status is None:  # this rank's input: the culprit's record, even if a round failed
-            coll.status = (NONFINITE, int(found[0][0]), float(found[0][1]))
+    data, me = call.data, coll.rank
+    got = _begin(coll, data, (tags.RAW_FOLD, tags.RAW_ROUND, tags.RAW_AG, tags.RAW_UNFOLD))
+    if got is None:
+        return
+    p, r, rounds, bounds, (fold, rs, ag, unfold) = got
 
+    def first(u: int) -> int:  # the first real rank of virtual rank u
+        return u + min(u, r)
 
-def _step(coll: Coll, opts: Options, divisor: int) -> Callable[..., int]:
-    """One round through ``Transport.exchange_reduce``: its outcome (``_DECLINED``: nothing moved).
+    def rank_of(pv: int) -> int:
+        return 2 * pv + 1 if pv < r else pv + r
 
-    A reduce-scatter round sends ``flat[c:d]`` and adds the peer's copy of
-    ``flat[a:b]`` into it through ``tmp``; an allgather round (``tmp`` None)
-    sends ``flat[c:d]`` and receives ``flat[a:b]``, and reduces nothing.
-
-    In round 0 it checks this rank's input; a non-finite element goes into
-    ``coll.status`` (the culprit's record, as the frame's check would have
-    put it). A first round declined (the input's first piece not finite, or
-    other work queued on the transport) gets the frame's check here.
-    """
-    t, check = coll.t, opts.check_finite
-    exchange = t.exchange_reduce  # type: ignore[attr-defined]
-
-    def step(k: int, peer: int, flat: np.ndarray, where: tuple[int, int, int, int], tmp: np.ndarray | None,
-             tag: int, last: bool) -> int:
-        a, b, c, d = where
-        found: list[tuple[int, float]] = []
-        first = check and k == 0 and tmp is not None
-        t0 = time.perf_counter()
-        try:
-            how = int(exchange(peer, flat[a:b], flat[a:b] if tmp is None else tmp, tag, coll.deadline.remaining(),
-                               divisor if last and opts.op == "mean" else 1, first, check, found, flat[c:d], (c, a),
-                               tmp is None))
-        finally:
-            t.note_wait(time.perf_counter() - t0)  # as Coll.sendrecv counts it (ProcessGroup.stats() "wait time")
-            if found and coll.status is None:  # this rank's input: the culprit's record, even if the round failed
-                coll.status = (NONFINITE, int(found[0][0]), float(found[0][1]))
-        if how == _DECLINED and first:
-            coll.status = local_status(flat, check, opts.backend)
-            if coll.status is not None:
-                plant(flat)
-        return how
-
-    return step
+    if me < 2 * r:
+        v, base = me // 2, 1
+        held = call.scratch("hd_fold", (2, data.size))
+        coll.step = 1
+        coll.recv(me - 1, held[0], fold)
+        held[1] = data
+    else:
+        v, base = me - r, 0
+        held = data.reshape(1, -1)
+    lo, hi = first(v), first(v + 1)  # the ranks whose rows ``held`` has
+    off = 0  # the first element ``held`` covers
+    plan = hd_schedule(v, p)
+    for k, (pv, klo, khi, slo, shi) in enumerate(plan):
+        coll.step = base + k + 1
+        pa = pv & ~((1 << k) - 1)
+        plo, phi = first(pa), first(pa + (1 << k))
+        out = np.ascontiguousarray(held[:, bounds[slo] - off: bounds[shi] - off])
+        nlo, nhi = min(lo, plo), max(hi, phi)
+        kept = call.scratch(f"hd{k % 2}", (nhi - nlo, bounds[khi] - bounds[klo]))
+        coll.sendrecv(rank_of(pv), out.reshape(-1), kept[plo - nlo: phi - nlo].reshape(-1), rs)
+        kept[lo - nlo: hi - nlo] = held[:, bounds[klo] - off: bounds[khi] - off]
+        held, lo, hi, off = kept, nlo, nhi, bounds[klo]
+    if rounds:
+        call.rows.reduce(held, data[off: off + held.shape[1]])
+    for k in range(rounds - 1, -1, -1):
+        pv, klo, khi, slo, shi = plan[k]
+        coll.step = base + 2 * rounds - k
+        coll.sendrecv(rank_of(pv), data[bounds[klo]: bounds[khi]], data[bounds[slo]: bounds[shi]], ag)
+    if me < 2 * r:
+        coll.step = coll.steps
+        coll.send(me - 1, data, unfold)

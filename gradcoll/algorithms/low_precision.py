@@ -6,20 +6,15 @@ caught before it is sent); receivers widen exactly and accumulate in float32
 with the fused [`accumulate_wire`][gradcoll.kernels.accumulate_wire]. The reduced value
 is rounded to the wire format once more for the return trip, and every rank,
 the reducing one included, keeps exactly that rounded value, so the result
-is bitwise identical everywhere. Schedules (``algorithm``):
-
-* ``ring``: a *direct* reduce-scatter then the ring allgather. In step ``s``
-  rank ``q`` sends its encoded chunk ``q + s`` to rank ``q + s`` and adds
-  chunk ``q`` from rank ``q - s``; after ``n - 1`` steps it owns chunk ``q``.
-  The bytes and steps equal the ring's, but every contribution is rounded
-  once instead of every partial sum once per hop, which is what keeps the
-  error independent of the world size (docs/algorithms/wire.md).
-* ``star``: rank 0 adds the encoded rows in rank order and sends the
-  encoded result back.
-* ``recursive_doubling``: a recursive-doubling allgather of the encoded
-  buffers (``gradcoll.algorithms._gather_raw``, ``log2 p`` rounds), then every rank adds all
-  ``n`` rows in rank order: every contribution rounded once, as in the ring
-  and the star, so the error bound is theirs, and the same bits everywhere.
+is bitwise identical everywhere. Every schedule runs it
+(``gradcoll.algorithms.rows``): the encoded rows of a piece meet where the
+piece is reduced, are widened and added in rank order, and the encoded
+result is shared; every contribution, the reducing rank's own included, is
+rounded once, which keeps the error independent of the world size
+(docs/algorithms/wire.md), and the same bits under every schedule. ``max``
+and ``min`` take the largest (smallest) widened value. With ``exact=True``
+(``deterministic=True`` and a wire together) the widened rows are reduced by
+the deterministic allreduce's exact kernel instead.
 
 Inputs: float32 with ``wire``, float16 (wire ``fp16``), or uint16 bit
 patterns (or ml_dtypes bfloat16) holding ``wire`` values: those are already
@@ -28,7 +23,7 @@ encoded, reduced in float32 and written back in their own format.
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Hashable, Sequence
 
 import numpy as np
 
@@ -36,12 +31,13 @@ from .. import kernels
 from ..errors import NonFiniteError, UsageError
 from ..transport.base import Transport
 from . import tags
-from ._common import Coll, Options, Workspace, chunk_bounds, plant, scratch
-from ._gather_raw import raw_recursive_doubling, raw_star
+from ._common import OPS, Coll, Options, Workspace, plant, scratch
 from ._guard import first_marker, guarded_allreduce
 from ._verdict import NONFINITE
+from .registry import schedule
+from .rows import RowsCall, RowsSchedule
 
-__all__ = ["wire_allreduce", "wire_of"]
+__all__ = ["wire_allreduce", "wire_of", "WireRows"]
 
 _NAN = {"bf16": 0x7FC0, "fp16": 0x7E00}
 _CODE = {"bf16": 1, "fp16": 2}
@@ -68,36 +64,45 @@ def wire_of(buf: np.ndarray, wire: str | None) -> str | None:
 
 def wire_allreduce(transport: Transport, buf: np.ndarray, *, wire: str | None = None, algorithm: str = "ring",
                    op: str = "mean", check_finite: bool = True, seq: int = 0, timeout: float | None = None,
-                   workspace: Workspace | None = None, backend: str | None = None) -> np.ndarray:
-    """Allreduce ``buf`` in place with a ``wire`` (bf16/fp16) transfer and float32 accumulation; returns ``buf``."""
+                   workspace: Workspace | None = None, backend: str | None = None, segment_bytes: int = 1 << 20,
+                   hosts: Sequence[Hashable] | None = None, exact: bool = False, **_: object) -> np.ndarray:
+    """Allreduce ``buf`` in place with a ``wire`` (bf16/fp16) transfer and float32 accumulation; returns ``buf``.
+
+    ``exact``: reduce the widened rows by the exact kernel (the same bits whatever the schedule and arrival).
+    """
     if not isinstance(buf, np.ndarray) or not buf.flags.c_contiguous or not buf.flags.writeable:
         raise UsageError("buf must be a writeable C-contiguous numpy array")
     fmt = wire_of(buf, wire)
     if fmt is None:
         raise UsageError("wire_allreduce needs wire= for a float32 buffer")
-    if op not in ("mean", "sum"):
-        raise UsageError(f"a low-precision wire allreduce takes op 'mean' or 'sum', got {op!r}")
-    if algorithm not in _SCHEDULES and algorithm != "direct":
-        raise UsageError(f"unknown allreduce algorithm {algorithm!r} for the wire path")
+    if op not in OPS:
+        raise UsageError(f"op must be one of {', '.join(OPS)}; got {op!r}")
+    entry = schedule(algorithm)
     if transport.size == 1:
         return buf  # nothing travels, so nothing is rounded (nor checked)
-    if algorithm == "direct":  # the slots hold the wire values, the sums are float32
+    if entry.rows is None:  # the shared window: its slots hold the wire values, the sums are float32
+        if op not in ("mean", "sum") or exact:
+            raise UsageError(f"rank {transport.rank}: the {algorithm} allreduce's wire form takes op 'mean' or "
+                             f"'sum' and no deterministic=True; got op {op!r}" + (", deterministic" if exact else ""))
         from .direct import direct_wire
 
         return direct_wire(transport, buf, wire=fmt, op=op, check_finite=check_finite, seq=seq, timeout=timeout,
                            backend=backend)
     opts = Options(op, check_finite, seq, timeout, workspace, backend)
-    job = _Wire(buf.reshape(-1), fmt, algorithm, opts)
+    job = _Wire(buf.reshape(-1), fmt, entry.rows, opts, segment_bytes, hosts, exact)
+    variant = tags.wire_variant(_CODE[fmt]) + ((0x44,) if exact else ())
     return guarded_allreduce(transport, buf, opts, name=f"{algorithm} allreduce ({fmt} wire)", algo=algorithm,
-                             flat=job.described, variant=tags.wire_variant(_CODE[fmt]), prepare=job.encode,
-                             body=job.run, find_bad=job.marker)
+                             flat=job.described, variant=variant, prepare=job.encode, body=job.run,
+                             find_bad=job.marker)
 
 
 class _Wire:
     """One wire allreduce: the wire bits ``enc``, the float32 accumulator ``own``, and the frame's seams."""
 
-    def __init__(self, flat: np.ndarray, fmt: str, algorithm: str, opts: Options) -> None:
-        self.flat, self.fmt, self.algorithm, self.opts = flat, fmt, algorithm, opts
+    def __init__(self, flat: np.ndarray, fmt: str, sched: RowsSchedule, opts: Options, segment_bytes: int,
+                 hosts: Sequence[Hashable] | None, exact: bool) -> None:
+        self.flat, self.fmt, self.schedule, self.opts = flat, fmt, sched, opts
+        self.segment_bytes, self.hosts, self.exact = segment_bytes, hosts, exact
         self.encoded = flat.dtype != np.float32  # the buffer already holds wire bits
         self.described = flat.view(np.uint16) if self.encoded else flat  # what the descriptor names
         self.enc, self.own = np.empty(0, np.uint16), np.empty(0, np.float32)
@@ -128,7 +133,9 @@ class _Wire:
 
     def run(self, coll: Coll, _: np.ndarray, opts: Options) -> None:
         """The data phase, then the result back in the buffer's own format."""
-        _SCHEDULES[self.algorithm](coll, self, coll.size if opts.op == "mean" else None)
+        divisor = coll.size if opts.op == "mean" else None
+        reducer = WireRows(self.fmt, opts.op, divisor, opts.check_finite, opts.backend, opts.workspace, self.exact)
+        self.schedule(coll, RowsCall(self.enc, reducer, opts.workspace, self.segment_bytes, self.hosts))
         if not self.encoded and self.flat.size:
             kernels.decode_wire(self.enc, self.flat, self.fmt, backend=opts.backend)  # own chunks were rounded too
 
@@ -137,86 +144,43 @@ class _Wire:
         mask = kernels.reference_wire().WIRES[self.fmt]
         return first_marker(coll, self.enc, self.own if self.encoded else self.flat, lambda bits: (bits & mask) == mask)
 
-    def finish(self, acc: np.ndarray, enc: np.ndarray, x: np.ndarray | None, divide: int | None) -> None:
-        """``acc += decode(x)`` (divided), then the rounded result into ``enc``; a wire NaN marks an overflow."""
-        check, backend = self.opts.check_finite, self.opts.backend
+
+
+class WireRows:
+    """The low-precision wire variant (``gradcoll.algorithms.rows.Rows``): ``n`` encoded rows widened and reduced
+    in float32 (in rank order; or exactly, with ``exact``), the result encoded; an overflow, or a non-finite
+    value carried in, is the wire's NaN at ``out[0]``."""
+
+    __slots__ = ("fmt", "op", "divisor", "check", "backend", "ws", "exact")
+
+    def __init__(self, fmt: str, op: str, divisor: int | None, check: bool, backend: str | None,
+                 ws: Workspace | None, exact: bool) -> None:
+        self.fmt, self.op, self.divisor, self.check, self.backend = fmt, op, divisor, check, backend
+        self.ws, self.exact = ws, exact
+
+    def reduce(self, rows: np.ndarray, out: np.ndarray) -> None:
+        n, m = rows.shape
+        if not m:
+            return
+        fmt, backend = self.fmt, self.backend
+        acc = scratch(self.ws, "wire_sum", m, np.float32)
         try:
-            if x is not None:
-                kernels.accumulate_wire(acc, x, self.fmt, divide_by=divide, check_finite=check, backend=backend)
-            elif divide is not None:
-                acc /= np.float32(divide)
-            kernels.encode_wire(acc, enc, self.fmt, check_finite=check, backend=backend)
-        except NonFiniteError:
-            plant(enc, _NAN[self.fmt])
-
-    def add(self, acc: np.ndarray, x: np.ndarray) -> None:
-        """``acc += decode(x)``; an overflow marks ``acc`` (the owner's encode then plants the wire NaN)."""
-        try:
-            kernels.accumulate_wire(acc, x, self.fmt, check_finite=self.opts.check_finite, backend=self.opts.backend)
-        except NonFiniteError:
-            plant(acc)
-
-
-def _ring(coll: Coll, w: _Wire, divide: int | None) -> None:
-    n, q = coll.size, coll.rank
-    own, enc = w.own, w.enc
-    bounds = chunk_bounds(own.size, n)
-    coll.marks = [bounds[c] for c in range(n) if bounds[c + 1] > bounds[c]]  # each owner marks its chunk's start
-    rows = scratch(w.opts.workspace, "wire_rows", (n - 1, bounds[1] - bounds[0]), np.uint16)
-    rs, ag = coll.tag0 + tags.RAW_RS, coll.tag0 + tags.RAW_AG
-    lo, hi = bounds[q], bounds[q + 1]
-    coll.begin(2 * (n - 1))
-    coll.step = 1
-    recvs = [coll.irecv((q - s) % n, rows[s - 1, : hi - lo], rs) for s in range(1, n)]
-    sends = [coll.isend((q + s) % n, enc[bounds[(q + s) % n]: bounds[(q + s) % n + 1]], rs) for s in range(1, n)]
-    acc = own[lo:hi]
-    for s in range(1, n):  # fixed order s = 1..n-1: the same sum whatever arrives first
-        coll.step = s
-        coll.wait(recvs[s - 1], (q - s) % n)
-        if hi > lo:
-            if s < n - 1:
-                w.add(acc, rows[s - 1, : hi - lo])
+            if self.exact or self.op in ("max", "min"):
+                wide = scratch(self.ws, "wire_wide", (n, m), np.float32)
+                for k in range(n):
+                    kernels.decode_wire(rows[k], wide[k], fmt, backend=backend)
+                if self.op in ("max", "min"):
+                    (np.maximum if self.op == "max" else np.minimum).reduce(wide, axis=0, out=acc)
+                elif kernels.exact_reduce(wide[0], wide[1:], acc, float(self.divisor or 1), backend) >= 0 \
+                        and self.check:
+                    raise NonFiniteError("the exact sum overflowed")
             else:
-                w.finish(acc, enc[lo:hi], rows[s - 1, : hi - lo], divide)
-    for s, r in enumerate(sends, 1):
-        coll.wait(r, (q + s) % n)
-    right, left = (q + 1) % n, (q - 1) % n
-    for t in range(n - 1):  # ring allgather of the encoded chunks: no rounding, only copies
-        coll.step = n + t
-        c_out, c_in = (q - t) % n, (q - t - 1) % n
-        r = coll.irecv(left, enc[bounds[c_in]: bounds[c_in + 1]], ag)
-        s_ = coll.isend(right, enc[bounds[c_out]: bounds[c_out + 1]], ag)
-        coll.wait(r, left)
-        coll.wait(s_, right)
-
-
-def _star(coll: Coll, w: _Wire, divide: int | None) -> None:
-    n, own, enc = coll.size, w.own, w.enc
-
-    def reduce(rows: np.ndarray, wait: Callable[[int], object]) -> None:
-        for p in range(1, n):  # rank order: the same sum on every run
-            wait(p)
-            if own.size:
-                if p < n - 1:
-                    w.add(own, rows[p - 1])
-                else:
-                    w.finish(own, enc, rows[p - 1], divide)
-
-    raw_star(coll, enc, lambda: scratch(w.opts.workspace, "wire_rows", (n - 1, own.size), np.uint16), reduce)
-
-
-def _rd(coll: Coll, w: _Wire, divide: int | None) -> None:
-    """Recursive-doubling allgather of the encoded buffers, then every rank adds all rows in rank order."""
-    n, own, enc = coll.size, w.own, w.enc
-
-    def reduce(rows: np.ndarray) -> None:
-        if own.size:
-            kernels.decode_wire(rows[0], own, w.fmt, backend=w.opts.backend)  # its own input too: the same rows
-            for k in range(1, n - 1):
-                w.add(own, rows[k])
-            w.finish(own, enc, rows[n - 1], divide)
-
-    raw_recursive_doubling(coll, enc, lambda: scratch(w.opts.workspace, "wire_all", (n, enc.size), np.uint16), reduce)
-
-
-_SCHEDULES = {"ring": _ring, "star": _star, "recursive_doubling": _rd}
+                kernels.decode_wire(rows[0], acc, fmt, backend=backend)
+                for k in range(1, n):
+                    kernels.accumulate_wire(acc, rows[k], fmt, divide_by=self.divisor if k == n - 1 else None,
+                                            check_finite=self.check, backend=backend)
+                if n == 1 and self.divisor is not None:
+                    acc /= np.float32(self.divisor)
+            kernels.encode_wire(acc, out, fmt, check_finite=self.check, backend=backend)
+        except NonFiniteError:
+            plant(out, _NAN[fmt])

@@ -27,24 +27,15 @@ carries to every rank, so all ranks detect it together; a bad input was
 planted there before the data moved (see ``gradcoll.algorithms._guard``, which also carries
 the mismatch and timeout checks). See docs/algorithms/recursive_doubling.md.
 
-Small buffers on a power-of-two group over a transport with a compiled
-exchange-and-reduce (``Transport.exchange_reduce``: tcp's, for small float32
-and float64 mean/sum) take ``_stepped``: the same rounds, tags and bits,
-one compiled call per round (send, receive, header check, fused reduce and
-finite check), or every round in one call where the transport has that
-(``Transport.exchange_rounds``: tcp's), and the frame of the
-guard reduced to what the happy path needs. The error path is the guard's: on any failure it builds the
-collective's ``Coll`` as the guard would have and calls ``fail``. A rank
-whose input is not finite, or whose transport declines the first round,
-runs the guard's general path instead (its frames are the same). The
-group's fast path runs the same rounds as a plan (``rd_plan``, ``SCHEDULE``:
-``_planned.Prepared``), with the same frames.
+A power-of-two group over a transport with compiled rounds
+(``Transport.rounds``: tcp's) runs every round, float32 or float64 mean or
+sum, in one compiled call (``rd_plan``, ``SCHEDULE``, through
+``_planned.run_plan``): the same rounds, tags and bits as the guard's
+path, which runs what that call declines.
 """
 
 from __future__ import annotations
 
-import math
-import time
 from collections.abc import Callable
 
 import numpy as np
@@ -52,12 +43,12 @@ import numpy as np
 from ..transport.base import Transport
 from ..transport.plan import DIVIDE, make
 from . import tags
-from ._common import TRANSLATED, Coll, Options, Workspace, combiner, scratch
-from ._guard import ERRORS, fail, guarded_allreduce, lean_frame
-from ._planned import Plan, Schedule, register
-from ._planned import _coll as planned_coll
+from ._common import Coll, Options, Workspace, combiner, scratch, sit_out
+from ._guard import guarded_allreduce
+from ._planned import Plan, Schedule, register, run_plan
+from .rows import RowsCall
 
-__all__ = ["recursive_doubling_allreduce", "butterfly", "rd_pass"]
+__all__ = ["recursive_doubling_allreduce", "butterfly", "rd_pass", "rd_rows"]
 
 
 def recursive_doubling_allreduce(transport: Transport, buf: np.ndarray, *, op: str = "mean", check_finite: bool = True,
@@ -65,8 +56,13 @@ def recursive_doubling_allreduce(transport: Transport, buf: np.ndarray, *, op: s
                                  backend: str | None = None) -> np.ndarray:
     """Allreduce ``buf`` in place by recursive doubling; returns ``buf``."""
     if type(buf) is np.ndarray and op in _STEP_OPS and backend in (None, "cython") \
-            and _stepped(transport, buf, op, check_finite, seq, timeout, workspace):
+            and run_plan(transport, buf, op, check_finite, seq, timeout, workspace, _rest, SCHEDULE):
         return buf
+    return _guarded(transport, buf, op, check_finite, seq, timeout, workspace, backend)
+
+
+def _guarded(transport: Transport, buf: np.ndarray, op: str, check_finite: bool, seq: int, timeout: float | None,
+             workspace: Workspace | None, backend: str | None) -> np.ndarray:
     return guarded_allreduce(transport, buf, Options(op, check_finite, seq, timeout, workspace, backend),
                              name="recursive-doubling allreduce", algo="recursive_doubling", body=rd_pass)
 
@@ -87,11 +83,7 @@ def butterfly(coll: Coll, mine: np.ndarray, phases: tuple[int, int, int], fold_i
     rounds = p.bit_length() - 1
     fold, rnd, unfold = (coll.tag0 + phase for phase in phases)
     coll.begin(rounds + (2 if r else 0))
-    if me < 2 * r and me % 2 == 0:  # sits out: fold in, then wait for the result
-        coll.step = 1
-        coll.send(me + 1, mine, fold)
-        coll.step = coll.steps
-        coll.recv(me + 1, mine, unfold)
+    if sit_out(coll, mine, fold, unfold):
         return
     if me < 2 * r:
         coll.step = 1
@@ -152,83 +144,42 @@ def _rest(coll: Coll, flat: np.ndarray, opts: Options, done: int) -> None:
 
 #: Recursive doubling as one plan (``rd_plan``), for the group's fast path (``_planned.Prepared``).
 SCHEDULE = Schedule("recursive-doubling allreduce", "recursive_doubling", False, _build, "rd")
-register(SCHEDULE, _rest)
+register(SCHEDULE, _rest, _guarded)
 
 
-_NAME = "recursive-doubling allreduce"
 _STEP_OPS = ("mean", "sum")
-_DECLINED, _MOVED = -1, 0  # the outcomes of exchange_reduce this module acts on (gradcoll.transport.tcp_fast)
 
 
-def _stepped(t: Transport, buf: np.ndarray, op: str, check: bool, seq: int, timeout: float | None,
-             ws: Workspace | None) -> bool:
-    """The allreduce of ``buf`` with one compiled exchange-and-reduce per round; False: declined, nothing moved.
+def rd_rows(coll: Coll, call: RowsCall) -> None:
+    """Recursive doubling's rows form (``gradcoll.algorithms.rows``): an allgather of the raw rows, then every
+    rank reduces all ``n`` of them itself (the same rows, so the same bits).
 
-    The guard's frame without its happy-path costs: the same descriptor tag
-    (so a rank on the general path meets the same frames), the input's
-    finite check inside the first compiled call, and the marker read from
-    the last round's own check. Runs where the size is a power of two and
-    ``t`` has ``exchange_reduce``.
+    Virtual rank ``v`` holds real ranks ``2v, 2v+1`` for ``v < r = n - p``
+    (the even one folds its row into the odd one first) and ``v + r``
+    otherwise, so an aligned block of virtual ranks is a contiguous range of
+    real ranks and every round is one message each way: ``2**k`` rows out,
+    ``2**k`` in (more where folded ranks sit). ``(p - 1)`` buffers per rank
+    and ``n`` times the buffer in scratch: the schedule for small buffers.
     """
-    frame = lean_frame(t, buf, "exchange_reduce", "recursive_doubling", op, check, seq, timeout)
-    if frame is None:
-        return False
-    flat, desc, tag0, limit, started = frame
-    step, n = t.exchange_reduce, t.size  # type: ignore[attr-defined]
-    tmp = scratch(ws, "rd", flat.size, flat.dtype)
-    rounds, me = n.bit_length() - 1, t.rank
-    coll: Coll | None = None
-    found: list[tuple[int, float]] = []  # this rank's input, not finite beyond the first round's first piece
-    k0 = 0
-    many = getattr(t, "exchange_rounds", None)
-    if many is not None and rounds > 1:  # every round in one compiled call (the first k0 of them done)
-        at, t0 = [0], time.perf_counter()
-        try:
-            peers = t.__dict__.get("_rd_peers")
-            if peers is None:
-                peers = t._rd_peers = tuple(me ^ (1 << k) for k in range(rounds))  # type: ignore[attr-defined]
-            k0 = many(peers, flat, tmp, tag0 + tags.RD_ROUND,
-                      max(0.0, started + limit - time.monotonic()), n if op == "mean" else 1, check, found, at)
-        except ERRORS as exc:
-            coll = _coll(t, flat, seq, limit, started, desc, tag0, rounds, at[0], found)
-            fail(coll, coll.translate(exc, me ^ (1 << at[0])) if isinstance(exc, TRANSLATED) else exc)
-        finally:
-            t.note_wait(time.perf_counter() - t0)
-        if found:
-            coll = _coll(t, flat, seq, limit, started, desc, tag0, rounds, 0, found)
-    for k in range(k0, rounds):
-        peer, last = me ^ (1 << k), k == rounds - 1
-        t0 = time.perf_counter()
-        try:
-            how = step(peer, flat, tmp, tag0 + tags.RD_ROUND, max(0.0, started + limit - time.monotonic()),
-                       n if last and op == "mean" else 1, check and k == 0, check, found)
-        except ERRORS as exc:
-            coll = _coll(t, flat, seq, limit, started, desc, tag0, rounds, k, found)
-            fail(coll, coll.translate(exc, peer) if isinstance(exc, TRANSLATED) else exc)
-        finally:
-            t.note_wait(time.perf_counter() - t0)  # as Coll.sendrecv counts it (ProcessGroup.stats() "wait time")
-        if found and coll is None:
-            coll = _coll(t, flat, seq, limit, started, desc, tag0, rounds, k, found)
-        if how == _DECLINED and k == 0:
-            return False
-        if how <= _MOVED:  # moved by the engine, or (another thread's work queued) to move on the general path
-            coll = coll or _coll(t, flat, seq, limit, started, desc, tag0, rounds, k, found)
-            coll.step = k + 1
-            if how == _DECLINED:
-                try:
-                    coll.sendrecv(peer, flat, tmp, tag0 + tags.RD_ROUND)
-                except ERRORS as exc:
-                    fail(coll, exc)
-            if flat.size:
-                combiner(Options(op, check, seq, limit), n)(flat, tmp, last)
-    if check and flat.size and not math.isfinite(flat[0]):  # the marker every round carried on
-        coll = coll or _coll(t, flat, seq, limit, started, desc, tag0, rounds, rounds - 1, found)
-        fail(coll, None, (0, float(flat[0])))
-    return True
+    data = call.data
+    n, me = coll.size, coll.rank
+    r = n - (1 << (n.bit_length() - 1))
+    rows = np.empty((0, data.size), data.dtype)
+    coll.marks = (0,)
 
+    def first(u: int) -> int:  # the first real rank of virtual rank u
+        return u + min(u, r)
 
-def _coll(t: Transport, flat: np.ndarray, seq: int, limit: float, started: float, desc: tuple[int, ...],
-          tag0: int, rounds: int, k: int, found: list[tuple[int, float]]) -> Coll:
-    """The ``Coll`` the guard would have run this call with, at round ``k``: for the error path and the general
-    rounds. ``found``: this rank's non-finite input element, as the guard's local check reports it."""
-    return planned_coll(t, _NAME, flat, seq, limit, started, desc, tag0, rounds, k, found)
+    def fold_in(partner: int, tag: int) -> None:
+        coll.recv(partner, rows[partner], tag)
+
+    def exchange(k: int, v: int, peer: int, tag: int) -> None:
+        a, b = v & ~((1 << k) - 1), (v ^ (1 << k)) & ~((1 << k) - 1)
+        out = rows[first(a): first(a + (1 << k))].reshape(-1)  # 1-D: a memoryview of (k, 0) cannot be cast
+        coll.sendrecv(peer, out, rows[first(b): first(b + (1 << k))].reshape(-1), tag)
+
+    if not (me < 2 * r and me % 2 == 0):  # a rank that sits out needs no rows
+        rows = call.scratch("rd", (n, data.size))
+        rows[me] = data
+    butterfly(coll, data, (tags.RAW_FOLD, tags.RAW_ROUND, tags.RAW_UNFOLD), fold_in, exchange,
+              lambda: call.rows.reduce(rows, data))

@@ -28,14 +28,15 @@ import numpy as np
 from ..transport.base import Request, Transport
 from ..transport.plan import CHECK, COPY, DIVIDE, make
 from . import tags
-from ._common import Coll, Options, Workspace, chunk_bounds, combiner, scratch
+from ._common import Coll, Options, Workspace, chunk_bounds, combiner, scratch, segment_bounds
 from ._guard import LEAN_DTYPES, guarded_allreduce
 from ._handshake import local_status
 from ._planned import Plan, Schedule, register, run_plan
+from .rows import RowsCall
 
-__all__ = ["ring_allreduce", "ring_pass", "ring_plan", "SEGMENT_BYTES"]
+__all__ = ["ring_allreduce", "ring_pass", "ring_plan", "ring_rows", "SEGMENT_BYTES"]
 
-#: Default pipeline segment (bytes); 1 MiB measured best over tcp for 1-4 MiB buffers on 4 ranks.
+#: Default pipeline segment (bytes): large enough that a segment's fixed cost is small, small enough to pipeline.
 SEGMENT_BYTES = 1 << 20
 NAME = "ring allreduce"
 
@@ -53,7 +54,11 @@ def ring_allreduce(transport: Transport, buf: np.ndarray, *, op: str = "mean", c
             and op in ("mean", "sum") and buf.dtype in LEAN_DTYPES \
             and run_plan(transport, buf, op, check_finite, seq, timeout, workspace, _rest, SCHEDULE):
         return buf
+    return _guarded(transport, buf, op, check_finite, seq, timeout, workspace, backend, segment_bytes)
 
+
+def _guarded(transport: Transport, buf: np.ndarray, op: str, check_finite: bool, seq: int, timeout: float | None,
+             workspace: Workspace | None, backend: str | None, segment_bytes: int = SEGMENT_BYTES) -> np.ndarray:
     def body(coll: Coll, flat: np.ndarray, opts: Options) -> None:
         ring_pass(coll, flat, opts, allgather=True, shift=0, segment_bytes=segment_bytes)
 
@@ -110,7 +115,7 @@ def _rest(coll: Coll, flat: np.ndarray, opts: Options, done: int) -> None:
     ring_pass(coll, flat, opts, allgather=True, shift=0, done=done)
 
 
-register(SCHEDULE, _rest)
+register(SCHEDULE, _rest, _guarded)
 
 
 def ring_pass(coll: Coll, flat: np.ndarray, opts: Options, *, allgather: bool, shift: int,
@@ -182,3 +187,48 @@ def ring_pass(coll: Coll, flat: np.ndarray, opts: Options, *, allgather: bool, s
     for step_sends in sends:
         for r in step_sends:
             coll.wait(r, right)
+
+
+def ring_rows(coll: Coll, call: RowsCall) -> None:
+    """The ring's rows form (``gradcoll.algorithms.rows``): the ring's bytes in two steps of latency.
+
+    A direct reduce-scatter: rank ``q`` sends its raw chunk ``c`` to rank
+    ``c``, in ``segment_bytes`` pieces; the owner reduces each piece with
+    all ``n`` rows as soon as they are in and sends the result straight to
+    every other rank (a direct allgather that overlaps the reductions still
+    to come). ``n - 1`` chunks of ``S/n`` out and in per phase.
+    """
+    data, n, q = call.data, coll.size, coll.rank
+    bounds = chunk_bounds(data.size, n)
+    lo, hi = bounds[q], bounds[q + 1]
+    seg = max(1, call.segment_bytes // data.itemsize)
+    coll.marks = [a for c in range(n) for a, b in segment_bounds(bounds[c], bounds[c + 1], seg) if b > a]
+    # Piece g of this rank's chunk lands as an (n, length) block at n * its offset: its rows in rank order.
+    space = call.scratch("ring", n * (hi - lo))
+    mine = segment_bounds(lo, hi, seg)
+    blocks = [space[n * (a - lo): n * (b - lo)].reshape(n, b - a) for a, b in mine]
+    rs, ag = coll.tag0 + tags.RAW_RS, coll.tag0 + tags.RAW_AG
+    coll.begin(n)
+    coll.step = 1
+    recvs = [[coll.irecv((q - s) % n, blk[(q - s) % n], rs) for s in range(1, n)] for blk in blocks]
+    sends = []
+    for s in range(1, n):
+        c = (q + s) % n
+        sends += [(coll.isend(c, data[a:b], rs), c) for a, b in segment_bounds(bounds[c], bounds[c + 1], seg)]
+    shared = []
+    for (a, b), blk, reqs in zip(mine, blocks, recvs, strict=True):
+        blk[q] = data[a:b]
+        for s in range(1, n):
+            coll.step = s
+            coll.wait(reqs[s - 1], (q - s) % n)
+        call.rows.reduce(blk, data[a:b])
+        shared += [(coll.isend((q + s) % n, data[a:b], ag), (q + s) % n) for s in range(1, n)]
+    for req, c in sends:  # before anything lands in the regions those sends read
+        coll.wait(req, c)
+    gets = [(coll.irecv(c, data[a:b], ag), c) for c in range(n) if c != q
+            for a, b in segment_bounds(bounds[c], bounds[c + 1], seg)]
+    coll.step = n
+    for req, c in gets:
+        coll.wait(req, c)
+    for req, c in shared:
+        coll.wait(req, c)

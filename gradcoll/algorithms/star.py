@@ -27,8 +27,9 @@ from ..transport.base import Transport
 from . import tags
 from ._common import Coll, Options, Workspace, plant, scratch
 from ._guard import guarded_allreduce
+from .rows import RowsCall
 
-__all__ = ["star_allreduce"]
+__all__ = ["star_allreduce", "star_rows"]
 
 ROOT = 0
 
@@ -82,3 +83,30 @@ def _reduce_rows(rows: np.ndarray, flat: np.ndarray, opts: Options) -> None:
             plant(flat)
         return
     (np.maximum if opts.op == "max" else np.minimum).reduce(rows, axis=0, out=flat)
+
+
+def star_rows(coll: Coll, call: RowsCall) -> None:
+    """The star's rows form (``gradcoll.algorithms.rows``): rank 0 gathers every row, reduces, sends the result.
+
+    Two steps; rank 0 receives and sends ``(n - 1) S``, the others ``S``.
+    """
+    data, n = call.data, coll.size
+    up, down = coll.tag0 + tags.RAW_UP, coll.tag0 + tags.RAW_DOWN
+    coll.marks = (0,)
+    coll.begin(2)
+    coll.step = 1
+    if coll.rank != ROOT:
+        r = coll.irecv(ROOT, data, down)  # rank 0 replies only after it has read ``up`` whole
+        coll.send(ROOT, data, up)
+        coll.step = 2
+        coll.wait(r, ROOT)
+        return
+    rows = call.scratch("star", (n, data.size))
+    reqs = [coll.irecv(p, rows[p], up) for p in range(1, n)]
+    rows[0] = data
+    for p in range(1, n):
+        coll.wait(reqs[p - 1], p)
+    call.rows.reduce(rows, data)
+    coll.step = 2
+    for req, p in [(coll.isend(p, data, down), p) for p in range(1, n)]:
+        coll.wait(req, p)

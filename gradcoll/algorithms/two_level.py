@@ -54,14 +54,15 @@ from ..transport.base import Request, Transport
 from ..transport.plan import set_tags
 from . import _two_level_window as _win
 from . import tags
-from ._common import TRANSLATED, Coll, Options, Workspace, plant, scratch
+from ._common import TRANSLATED, Coll, Options, Workspace, chunk_bounds, plant, scratch
 from ._guard import ERRORS, LEAN_DTYPES, first_marker, guarded_allreduce
 from ._planned import Plan
 from .recursive_doubling import rd_pass, rd_plan
 from .ring import SEGMENT_BYTES, ring_pass, ring_plan
+from .rows import RowsCall, gather_into
 from .star import _reduce_rows
 
-__all__ = ["two_level_allreduce", "host_layout", "INTRA", "CROSS", "Leaders"]
+__all__ = ["two_level_allreduce", "two_level_rows", "host_layout", "INTRA", "CROSS", "Leaders"]
 
 #: Steps 1 and 3, by name: ``(reduce(coll, flat, opts, members), broadcast(coll, flat, members))``; the leader
 #: (``members[0]``) ends step 1 with the host's sum (``opts.op``) and sends it to the members in step 3.
@@ -212,7 +213,7 @@ def _cross_rd(coll: Coll, flat: np.ndarray, opts: Options, segment_bytes: int, n
 def _compiled(coll: Coll, flat: np.ndarray, opts: Options) -> bool:
     """Whether the leaders' step can run compiled: a transport that compiles plans, a mean or sum of a contiguous
     float32 or float64 buffer, the compiled kernel."""
-    return getattr(coll.t, "exchange_plan", None) is not None and opts.op in ("mean", "sum") \
+    return coll.t.rounds is not None and opts.op in ("mean", "sum") \
         and flat.dtype in LEAN_DTYPES and opts.backend in (None, "cython") and flat.flags.c_contiguous
 
 
@@ -222,8 +223,8 @@ _KEEP = 64
 
 class _LeadersPlan:
     """A leaders' plan in the group's numbering, built once per transport, shape and op (``_leaders_plan``): the
-    plan, its peers and sources as group ranks, and the chunks' first elements (the markers). Building the
-    ring's plan took 10-20 us of Python a call, a tenth of the leaders' whole exchange at 256 KiB."""
+    plan, its peers and sources as group ranks, and the chunks' first elements (the markers): building the
+    ring's plan every call was a sizeable share of the leaders' exchange."""
 
     __slots__ = ("plan", "peers", "sources", "marks")
 
@@ -259,8 +260,9 @@ def _cross_planned(coll: Leaders, flat: np.ndarray, opts: Options, n: int, lp: _
     t0 = time.perf_counter()
     try:
         # (the host's sum goes in: a non-finite element of it is a marker, found on the result, not an input)
-        return int(coll.t.exchange_plan(peers, flat, tmp, p.spec, coll.deadline.remaining(), n,  # type: ignore[attr-defined]
-                                        opts.check_finite, [], at, lp.sources))
+        assert coll.t.rounds is not None  # (``_compiled``)
+        return int(coll.t.rounds.exchange_plan(peers, flat, tmp, p.spec, coll.deadline.remaining(), n,
+                                               opts.check_finite, [], at, lp.sources))
     except ERRORS as exc:
         coll.step = at[0] + 1
         if not isinstance(exc, TRANSLATED):
@@ -312,3 +314,59 @@ def star_down(coll: Coll, flat: np.ndarray, members: list[int]) -> None:
 #: ``"window"`` goes through one shared window per host (``gradcoll.algorithms._two_level_window``); ``"auto"`` (the
 #: default) takes the window wherever the transport routes the host through shared memory.
 INTRA: dict[str, IntraStep] = {"star": (star_up, star_down), "window": (_win.window_up, _win.window_down)}
+
+
+def two_level_rows(coll: Coll, call: RowsCall) -> None:
+    """The two-level allreduce's rows form (``gradcoll.algorithms.rows``) over ``call.hosts``.
+
+    1. Every member sends its row to its host's leader (``RAW_UP``).
+    2. Between the ``H`` leaders, a direct reduce-scatter of the hosts' rows:
+       leader ``h`` owns chunk ``h`` of ``H``, receives every other host's
+       rows of it, reduces all ``n`` rows (``RAW_RS``), and sends the result
+       to every other leader (``RAW_AG``).
+    3. Each leader sends the result to its members (``RAW_DOWN``).
+    Only leaders use the links between hosts: ``(n - L) S / H`` in and out
+    of a leader of ``L`` ranks.
+    """
+    data, n = call.data, coll.size
+    layout = _layout(tuple(call.hosts if call.hosts is not None else [0] * n))
+    members = next(m for m in layout if coll.rank in m)
+    leaders = [m[0] for m in layout]
+    h, nh = leaders.index(members[0]), len(layout)
+    cb = chunk_bounds(data.size, nh)
+    up, down, rs, ag = (coll.tag0 + ph for ph in (tags.RAW_UP, tags.RAW_DOWN, tags.RAW_RS, tags.RAW_AG))
+    coll.marks = [cb[c] for c in range(nh) if cb[c + 1] > cb[c]]
+    coll.begin(4)
+    coll.step = 1
+    if coll.rank != members[0]:
+        got = coll.irecv(members[0], data, down)  # the leader replies only after it has read ``up`` whole
+        coll.send(members[0], data, up)
+        coll.step = 4
+        coll.wait(got, members[0])
+        return
+    mine = call.scratch("two_level", (len(members), data.size))
+    reqs = [coll.irecv(p, mine[i], up) for i, p in enumerate(members[1:], 1)]
+    mine[0] = data
+    for p, req in zip(members[1:], reqs, strict=True):
+        coll.wait(req, p)
+    coll.step = 2
+    a, b = cb[h], cb[h + 1]
+    others = [j for j in range(nh) if j != h]
+    blocks = {j: np.empty((len(layout[j]), b - a), data.dtype) for j in others}
+    recvs = [(coll.irecv(leaders[j], blocks[j].reshape(-1), rs), j) for j in others]
+    outs = [np.ascontiguousarray(mine[:, cb[j]: cb[j + 1]]) for j in others]
+    sends = [(coll.isend(leaders[j], out.reshape(-1), rs), leaders[j]) for j, out in zip(others, outs, strict=True)]
+    rows = call.scratch("two_level_rows", (n, b - a))
+    gather_into(rows, members, mine[:, a:b])
+    for req, j in recvs:
+        coll.wait(req, leaders[j])
+        gather_into(rows, layout[j], blocks[j])
+    call.rows.reduce(rows, data[a:b])
+    coll.step = 3
+    shared = [(coll.isend(leaders[j], data[a:b], ag), leaders[j]) for j in others]
+    gets = [(coll.irecv(leaders[j], data[cb[j]: cb[j + 1]], ag), leaders[j]) for j in others]
+    for req, peer in sends + gets + shared:
+        coll.wait(req, peer)
+    coll.step = 4
+    for req, peer in [(coll.isend(p, data, down), p) for p in members[1:]]:
+        coll.wait(req, peer)

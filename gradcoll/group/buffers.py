@@ -17,7 +17,7 @@ from typing import Any
 
 import numpy as np
 
-from ..algorithms._common import REDUCE_DTYPES
+from ..algorithms import REDUCE_DTYPES
 from ..errors import UsageError
 
 __all__ = ["Buffer", "as_buffer", "is_device_array", "is_half", "tensor_wire", "writable_array"]
@@ -150,9 +150,6 @@ def is_half(buf: Any, op: str) -> bool:
         return False  # the itemsize first: ``dtype.name`` costs microseconds on every call
     return bool(buf.dtype == np.float16 or buf.dtype.name == "bfloat16")
 
-
-#: Dtypes the one-host fast path of ``ProcessGroup.allreduce`` takes as they are (native float32 and float64).
-HOT_DTYPES = frozenset((np.dtype(np.float32), np.dtype(np.float64)))
 
 
 def pinned_staging(cache: dict[tuple[int, str], tuple[Any, Any]], count: int, dtype: np.dtype,

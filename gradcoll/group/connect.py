@@ -70,7 +70,7 @@ def connect(ns: Store, backend: str, rank: int, size: int, *, timeout: float, gr
     kept = {k: v for k, v in group_options.items() if k != "trace"}
     group = ProcessGroup(transport, timeout=group_timeout, kernel_backend=kernel_backend,
                          membership=Regroup(control, kept), hosts=hosts, **group_options)
-    group._on_machine = machines.count(machines[rank])
+    group._crowd = machines.count(machines[rank])
     return group
 
 

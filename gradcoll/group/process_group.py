@@ -2,34 +2,36 @@
 
 from __future__ import annotations
 
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
 from typing import Any, Protocol
 
 import numpy as np
 
 from ..algorithms import (
-    ALLREDUCE,
+    Workspace,
     allgather,
     announce_close,
     attach_witnesses,
     barrier,
     broadcast,
+    check_op,
     reduce_scatter,
-    select_allreduce,
     wake_collective,
 )
-from ..algorithms._common import Workspace, check_op
+from ..algorithms.prepared import Allreduce, prepare_allreduce
+from ..algorithms.prepared import Group as PreparingGroup
 from ..algorithms.ring import SEGMENT_BYTES
 from ..errors import UsageError
 from ..observe.diagnosis import ControlChannel, Diagnostics
 from ..observe.trace import GroupStats, Recorder
 from ..transport.base import Transport
-from .buffers import as_buffer, is_device_array, is_half, pinned_staging, tensor_wire, writable_array
-from .fastpath import GENERAL, fast_allreduce, stepped
+from .buffers import as_buffer, is_device_array, pinned_staging, tensor_wire, writable_array
 from .topology import Topology
 from .work import Executor, Work
 
 __all__ = ["ProcessGroup", "Work", "Membership"]
+
+_KEEP = 256  # the prepared allreduces a group keeps (sizes, dtypes, ops, choices); more clears them
 
 
 class ProcessGroup(Topology):
@@ -60,9 +62,7 @@ class ProcessGroup(Topology):
         self.transport = transport
         self.kernel_backend = kernel_backend
         self._pinned: dict[tuple[int, str], tuple[Any, Any]] = {}
-        self._hot = transport.shared_memory and transport.size > 1  # auto is direct: allreduce's fast path
-        self._stepped = not self._hot and stepped(transport)  # tcp's recursive doubling: the other fast path
-        self._lean: dict[Any, Any] = {}  # the stepped fast path's prepared calls (fastpath._Hot), per size
+        self._prepared: dict[Any, Allreduce] = {}  # the prepared allreduces, by shape and choices (``_prepare``)
         self.rank: int = transport.rank
         """This rank's number in the group, 0 .. size - 1."""
         self.size: int = transport.size
@@ -126,60 +126,46 @@ class ProcessGroup(Topology):
         returns the same bits under any algorithm, world layout or arrival
         order (docs/algorithms/deterministic.md).
         """
-        done = fast_allreduce(self, buf, op, algorithm, check_finite, async_op, timeout, wire_dtype, deterministic)
-        if done is not GENERAL:
-            return done
-        wire_dtype = tensor_wire(buf, op, wire_dtype)  # torch float16/bfloat16 tensors: accumulated in float32
-        if wire_dtype is not None or deterministic or is_half(buf, op):
-            return self._precise_allreduce(buf, op, algorithm, check_finite, async_op, timeout, wire_dtype,
-                                           deterministic)
-        if is_device_array(buf):
+        if type(buf) is np.ndarray and buf.flags.c_contiguous and buf.flags.writeable:
+            work = given = buf
+        elif is_device_array(buf):
+            if wire_dtype is not None or deterministic:
+                raise UsageError("wire_dtype= and deterministic= take host buffers; device buffers are reduced "
+                                 "in their own dtype")
             return self._device_allreduce(buf, op, check_finite, async_op, timeout)
-        work, writeback = writable_array(buf, reduce=True)
-        check_op(op)
-        algo = self._pick(algorithm, work.nbytes)
-        fn = ALLREDUCE[algo]
-        transport, extra = self._call_args(algo, work.nbytes)
-        limit = self._timeout(timeout)
-
-        def job(seq: int) -> np.ndarray:
-            fn(transport, work, op=op, check_finite=check_finite, seq=seq, timeout=limit,
-               workspace=self._ws, backend=self.kernel_backend, **extra)
-            writeback()
-            return buf
-
-        return self._exec.submit(f"{algo} allreduce", job, async_op, nbytes=work.nbytes)
-
-    def _precise_allreduce(self, buf: Any, op: str, algorithm: str, check_finite: bool, async_op: bool,
-                           timeout: float | None, wire: str | None, deterministic: bool) -> Any:
-        """The low-precision wire path or the bitwise-reproducible path (see [`allreduce`][gradcoll.group.ProcessGroup.allreduce])."""
-        from ..algorithms.deterministic import deterministic_allreduce
-        from ..algorithms.low_precision import wire_allreduce, wire_of
-
-        given = buf  # what the caller gets back: their own object, not the view of it
-        if not isinstance(buf, np.ndarray):
-            buf = as_buffer(buf, writable=True, what="buf").array
-        if deterministic and wire is not None:
-            raise UsageError("deterministic=True and wire_dtype= cannot be combined")
-        if op not in ("mean", "sum"):
-            raise UsageError(f"wire_dtype= and deterministic= take op 'mean' or 'sum', got {op!r}")
-        work, writeback = writable_array(buf, reduce=False)
-        algo = self._pick(algorithm, work.nbytes, flat=True)
-        limit = self._timeout(timeout)
-        fn: Callable[..., Any] = deterministic_allreduce
-        kw: dict[str, Any] = {"segment_bytes": self.segment_bytes} if algo == "ring" else {}
-        name = f"deterministic {algo} allreduce"
-        if not deterministic:
-            fmt = wire_of(work, wire)
-            fn, name, kw = wire_allreduce, f"{algo} allreduce ({fmt} wire)", {"wire": fmt}
+        else:
+            given = buf
+            wire_dtype = tensor_wire(buf, op, wire_dtype)  # torch float16/bfloat16 tensors: accumulated in float32
+            arr = buf if isinstance(buf, np.ndarray) else as_buffer(buf, writable=True, what="buf").array
+            work, writeback = writable_array(arr, reduce=False)
+        key = (work.size, work.dtype, op, algorithm, check_finite, wire_dtype, deterministic)
+        prep = self._prepared.get(key)
+        if prep is None:
+            prep = self._prepare(key)
+        limit = self.timeout if timeout is None else timeout
+        if work is given:
+            if not async_op:
+                return self._exec.inline(prep.name, prep.run, (work, limit), work.nbytes)
+            return self._exec.submit(prep.name, lambda seq: prep.run(seq, work, limit), True, nbytes=work.nbytes)
 
         def job(seq: int) -> Any:
-            fn(self.transport, work, algorithm=algo, op=op, check_finite=check_finite, seq=seq, timeout=limit,
-               workspace=self._ws, backend=self.kernel_backend, **kw)
+            prep.run(seq, work, limit)
             writeback()
             return given
 
-        return self._exec.submit(name, job, async_op, nbytes=work.nbytes)
+        return self._exec.submit(prep.name, job, async_op, nbytes=work.nbytes)
+
+    def _prepare(self, key: tuple[Any, ...]) -> Allreduce:
+        """The prepared allreduce of ``key`` (count, dtype, op, algorithm, check, wire, deterministic), kept; a call
+        that cannot run raises UsageError here, before anything is sent."""
+        count, dtype, op, algorithm, check, wire, deterministic = key
+        group = PreparingGroup(self.transport, self.segment_bytes, self.kernel_backend, self._ws,
+                               self.host_counts, lambda nbytes: self._two_level(nbytes, self.segment_bytes))
+        prep = prepare_allreduce(group, count, dtype, op, algorithm, check, wire, deterministic)
+        if len(self._prepared) >= _KEEP:
+            self._prepared.clear()
+        self._prepared[key] = prep
+        return prep
 
     def _device_allreduce(self, buf: Any, op: str, check_finite: bool, async_op: bool, timeout: float | None) -> Any:
         """Allreduce of a device array ([`gradcoll.algorithms.device`][gradcoll.algorithms.device]) through pinned staging."""
@@ -214,18 +200,17 @@ class ProcessGroup(Topology):
         plans = []
         for dt, members in groups.items():
             total = sum(a.size for a in members)
-            algo = self._pick(algorithm, total * dt.itemsize)
-            plans.append((dt, members, total, algo, self._call_args(algo, total * dt.itemsize)))
+            key = (total, dt, op, algorithm, check_finite, None, False)
+            plans.append((dt, members, total, self._prepared.get(key) or self._prepare(key)))
         limit = self._timeout(timeout)
 
         def job(seq: int) -> list[np.ndarray]:
-            for k, (dt, members, total, algo, (transport, extra)) in enumerate(plans):
+            for k, (dt, members, total, prep) in enumerate(plans):
                 fused = self._ws.get("fusion", total, dt)
                 offsets = np.cumsum([0] + [a.size for a in members])
                 for a, lo, hi in zip(members, offsets[:-1], offsets[1:], strict=True):
                     fused[lo:hi].reshape(a.shape)[...] = a
-                ALLREDUCE[algo](transport, fused, op=op, check_finite=check_finite, seq=seq + k,
-                                timeout=limit, workspace=self._ws, backend=self.kernel_backend, **extra)
+                prep.run(seq + k, fused, limit)
                 for a, lo, hi in zip(members, offsets[:-1], offsets[1:], strict=True):
                     a[...] = fused[lo:hi].reshape(a.shape)
             return arrays
@@ -305,20 +290,6 @@ class ProcessGroup(Topology):
 
         limit = self._timeout(timeout)
         return self._exec.submit("alloc", lambda seq: alloc(self.transport, shape, dtype, limit), False)  # type: ignore[no-any-return]
-
-    def _pick(self, algorithm: str, nbytes: int, flat: bool = False) -> str:
-        if algorithm == "auto":
-            return select_allreduce(nbytes, self.size, self.transport.name, self.transport.shared_memory,
-                                    layout=None if flat else self.host_counts)
-        if algorithm not in ALLREDUCE:
-            raise UsageError(f"unknown allreduce algorithm {algorithm!r}; known: auto, {', '.join(ALLREDUCE)}")
-        return algorithm
-
-    def _call_args(self, algo: str, nbytes: int) -> tuple[Transport, dict[str, Any]]:
-        """The transport ``algo`` runs on and its extra arguments (segments; the two-level's hosts and links)."""
-        if algo == "two_level":
-            return self._two_level(nbytes, self.segment_bytes)
-        return self.transport, {"segment_bytes": self.segment_bytes} if algo == "ring" else {}
 
     # -- diagnosis and membership -------------------------------------------
     def stats(self) -> GroupStats:

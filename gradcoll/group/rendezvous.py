@@ -151,7 +151,7 @@ def init_process_group(
     or ``"tcp"``. ``kernel_backend=None`` picks the single-threaded compiled
     kernels when they are built: every rank is a process that already owns a
     core, and threaded kernels in several ranks on one host fight for the
-    cores (measured 10-30x slower on 2 cores). Pass ``kernel_backend="numba"``
+    cores (many times slower than one thread per rank). Pass ``kernel_backend="numba"``
     when one rank owns several cores.
     ``stall_warning_s`` and ``trace`` go to the ProcessGroup (stall warnings,
     Chrome trace path). The group also gets a control channel (a UDP socket

@@ -156,7 +156,7 @@ class Topology:
     #: How many ranks of the group this one descends from share this rank's machine (None: unknown); the shm
     #: links of its subgroups and of the two-level allreduce count them against the cores (``shm.create``'s
     #: ``crowd``).
-    _on_machine: int | None
+    _crowd: int | None
 
     def _init_hosts(self, hosts: Sequence[str] | None) -> None:
         if hosts is None and self.transport.name in ONE_HOST:
@@ -165,7 +165,7 @@ class Topology:
             raise UsageError(f"hosts names {len(hosts)} ranks, the group has {self.size}")
         self.hosts = None if hosts is None else tuple(str(h) for h in hosts)
         self._routed = None
-        self._on_machine = None
+        self._crowd = None
 
     @property
     def host(self) -> str:
@@ -222,7 +222,7 @@ class Topology:
             transport, timeout=self.timeout, segment_bytes=getattr(self, "segment_bytes", None),
             kernel_backend=getattr(self, "kernel_backend", None), membership=membership,
             stall_warning_s=self._diag_stall(), hosts=None if self.hosts is None else [self.hosts[r] for r in mine])
-        sub._on_machine = self._on_machine  # (the other subgroups' ranks share the machine too)
+        sub._crowd = self._crowd  # (the other subgroups' ranks share the machine too)
         return cast(G, sub)
 
     def _parent_membership(self) -> _Membership | None:
@@ -246,8 +246,8 @@ class Topology:
         parent = self._parent_membership()
         ctl = parent.control if parent is not None else None
         options = dict(ctl.options) if ctl is not None and ctl.backend == backend else {}
-        if backend == "shm" and self._on_machine:
-            options["crowd"] = max(self._on_machine, int(options.get("crowd") or 0))
+        if backend == "shm" and self._crowd:
+            options["crowd"] = max(self._crowd, int(options.get("crowd") or 0))
         host = ctl.host if ctl is not None else "127.0.0.1"
         k = next((i for i, p in enumerate(parts) if self.rank in p), None)
 

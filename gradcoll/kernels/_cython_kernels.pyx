@@ -68,8 +68,8 @@ def _last_level_cache_bytes():
 #: (at least 32 MiB, the CI machine's L3). An output as large cannot stay in it anyway, and these stores skip
 #: reading every output line before it is overwritten. A smaller one is better written through the cache: the
 #: next reader finds it there, and a non-temporal store must first evict a line that is already cached (on a
-#: machine with a 480 MiB L3, a 40 MB output written that way took 0.72-0.92x the plain loop's time, with
-#: 21-50% spread, against 1.10-1.13x written through the cache: docs/kernels.md, "Non-temporal stores").
+#: machine with a large L3, an output that fits in it was slower and far noisier written that way than
+#: through the cache: docs/kernels.md, "Non-temporal stores").
 #: ``set_stream_bytes`` changes it (benches/bench_kernels.py --stream-bytes).
 STREAM_BYTES = max(32 << 20, _last_level_cache_bytes())
 cdef Py_ssize_t _stream_bytes = STREAM_BYTES
@@ -222,7 +222,7 @@ def is_all_finite(cnp.ndarray buf):
 # -- the threaded kernels behind the fast entries (gradcoll.kernels.select registers them) -------------------
 # Above its limit a fast entry still validates the call in C and then hands it to these Python callables (the
 # threaded Numba kernels of the automatic choice): the facade's Python validation of a large call ran at the
-# speed of a cold cache (the kernel had just streamed megabytes through it), 30-60 us a call at 1e6 elements.
+# speed of a cold cache (the kernel had just streamed megabytes through it), a noticeable share of the call.
 cdef object _threaded_reduce = None
 cdef Py_ssize_t _threaded_max_inputs = 0
 cdef object _threaded_accumulate = None
@@ -678,10 +678,10 @@ def kernel_addresses():
 def kernels_env():
     """``GRADCOLL_KERNELS`` stripped and lower-cased, or None when unset or empty.
 
-    C ``getenv`` costs about 50 ns; ``os.environ.get`` of an unset name costs
-    about 1 us (a KeyError raised and caught), as much as a whole small
-    reduce. ``os.environ`` writes through ``putenv``/``unsetenv``, so every
-    change made through it is seen here.
+    C ``getenv`` is cheap; ``os.environ.get`` of an unset name raises and
+    catches a KeyError, which costs as much as a whole small reduce.
+    ``os.environ`` writes through ``putenv``/``unsetenv``, so every change
+    made through it is seen here.
     """
     cdef const char* v = getenv(b"GRADCOLL_KERNELS")
     if v == NULL or v[0] == 0:

@@ -2,7 +2,7 @@
  *
  * One pass over memory per call: every input is read once, every output
  * written once, and the finite check is folded into the same pass. Why this
- * shape (measured, docs/kernels.md "Why the kernels were slow"):
+ * shape (docs/kernels.md, "Why the kernels were slow"):
  *
  *  - Inputs are summed in registers, all n streams at once: element i of
  *    the output is ((x0[i] + x1[i]) + x2[i]) + ... in that order, stored
@@ -136,9 +136,8 @@ GC_DEFINE_FINITE_EXACT(gc_finite_d_exact, double, uint64_t, gc_flag64, GC_TOP64)
 #if defined(GC_VECTORS)
 /* A 64 KiB block at a time: four vectors added (a NaN or an Inf reaches the sum, and so does an overflow of
  * finite values), then the bits of t - t OR-ed into a flag: +0 for a finite t, NaN otherwise. Only a block
- * whose flag is set gets the exact test, which decides. Half the time of the exact test alone on 1 MiB
- * of float32 in L2 (7.5 against 13.3 us in a C harness; docs/kernels.md, "Aligned stores and a cheaper
- * check"). */
+ * whose flag is set gets the exact test, which decides. Much cheaper than the exact test alone on data in
+ * L2 (docs/kernels.md, "Aligned stores and a cheaper check"). */
 #define GC_DEFINE_FINITE(NAME, EXACT, T, V, VU, W, LOAD, BLK)                                           \
     GC_CLONES static int NAME(const T *p, gc_ssize m) {                                                \
         gc_ssize i = 0, j, stop;                                                                       \
@@ -177,8 +176,8 @@ GC_DEFINE_FINITE(gc_finite_d, gc_finite_d_exact, double, 8192)
 
 /* Elements before the first 64-byte boundary of p (at most m): the loops run them one by one, so that the
  * vector loop's stores never split a cache line. With the output 16 or 48 bytes past a line, as the C
- * library's heap often leaves a NumPy array, the accumulate of 5e4 float32 elements took 1.35x as long in a
- * C harness (docs/kernels.md, "Aligned stores and a cheaper check"). */
+ * library's heap often leaves a NumPy array, split stores make the accumulate markedly slower
+ * (docs/kernels.md, "Aligned stores and a cheaper check"). */
 static inline gc_ssize gc_head(const void *p, size_t size, gc_ssize m) {
     gc_ssize h = (gc_ssize)(((64u - ((uintptr_t)p & 63u)) & 63u) / size);
     return h < m ? h : m;
@@ -219,8 +218,8 @@ static inline gc_ssize gc_head(const void *p, size_t size, gc_ssize m) {
 /* The loop is written once (NAME##_n, always inlined) and entered with n a constant for 2-8 inputs: the
  * compiler then unrolls the loop over the inputs and keeps their pointers in registers. With n known only
  * at run time it reloaded each pointer in every step, and on large inputs laid out as the C library's heap
- * places them (4 MB arrays 2,320 bytes apart in their pages) the 4-input reduce of 1e6 elements took 2-3x
- * as long (590-930 against 220-360 us in a C harness, docs/kernels.md). */
+ * places them (arrays a few KiB apart in their pages) a reduce of several inputs took several times as
+ * long (docs/kernels.md). */
 #define GC_DEFINE_REDUCE(NAME, TS_, TA_, VA, VU, W, LOAD, STORE, UT, FLAG1, FINITE, TOP)               \
     static inline __attribute__((always_inline)) int NAME##_n(const TS_ *const *xs, gc_ssize n,        \
                                                                gc_ssize m, TA_ *restrict out, TA_ f,   \
@@ -297,9 +296,8 @@ GC_DEFINE_REDUCE(gc_reduce_fd, float, double, gc_v4d, gc_v4u, 4, gc_ld4fd, gc_st
 
 #if defined(GC_VECTORS)
 /* Written once (NAME##_k, always inlined) and entered with the mode and the scale flag constants: with them
- * known only at run time the loop tested them in every step, and the accumulate divided by 4 (a
- * multiplication) ran at 0.87-0.90x of the plain loop from 1e4 to 1e5 elements, against 1.09-1.18x with
- * no divisor (docs/kernels.md, "The accumulate's mode"). */
+ * known only at run time the loop tested them in every step, and the accumulate with a divisor fell behind
+ * the plain loop, which it beats with them constant (docs/kernels.md, "The accumulate's mode"). */
 #define GC_DEFINE_ACC(NAME, T, V, VU, W, LOAD, STORE, UT, FLAG1, FINITE, TOP)                          \
     static inline __attribute__((always_inline)) int NAME##_k(T *acc, const T *x, gc_ssize m, T d,     \
                                                                int mode, T sc, int doscale) {          \
@@ -355,9 +353,9 @@ GC_DEFINE_ACC(gc_acc_d, double, gc_v4d, gc_v4u, 4, gc_ld4d, gc_st4d, uint64_t, g
  * above (the same bits), for the elements before the returned index: m, unless a block of 16 vectors of acc (or
  * one element of the head or tail) may hold a NaN or an Inf (a sum of its values is not finite: an overflow of
  * finite values sets it too); that block and everything after it is left as it was, for the caller's exact check
- * and accumulate. A block is checked, then added from the first-level cache: testing every 4 vectors before
- * adding them cost 5% at 256 KiB on 2 ranks; the block's way took a 1 MiB allreduce on 2 ranks from 238-250 to
- * 227-233 us (docs/performance.md, "named calls on the fast path"). *fin: whether every sum written is finite. */
+ * and accumulate. A block is checked, then added from the first-level cache: testing every few vectors before
+ * adding them cost more, and the block's way makes a large allreduce faster (docs/performance.md, "named calls
+ * on the fast path"). *fin: whether every sum written is finite. */
 /* Its scalar loop, up to END: stops at an element of acc that is not finite, before writing it. */
 #define GC_ACC_IN_TAIL(T, FLAG1, TOP, END) GC_ACC_TAIL_IF(T, FLAG1, END, FLAG1(s) & (TOP))
 
@@ -502,8 +500,8 @@ static int gc_set_simd_cap(int cap) {
 /* Whether the 512-bit loops that do floating-point work (adds, multiplies, fp16 conversions) run. Not on
  * Intel CPUs, unless GRADCOLL_FP512=1: there a core that has not run such instructions for a few
  * microseconds runs the next ones slowly for a while (its 512-bit units power up, its frequency licence
- * changes), which cost 1.5-4.5 us on every call of a 1e3-1e5-element accumulate, fp16 encode or bf16
- * accumulate interleaved with other work, and the loops were no faster than the AVX2 ones when warm
+ * changes), which costs a small or mid-sized accumulate, fp16 encode or bf16 accumulate interleaved with
+ * other work more than the wider loop saves, and the loops were no faster than the AVX2 ones when warm
  * (docs/kernels.md, "512-bit floating point on Intel CPUs"); glibc's string functions and LLVM's vectoriser
  * keep to 256 bits there for the same reason. The integer-only 512-bit loop (the bf16 encode) paid nothing
  * and still runs. GRADCOLL_FP512=0 turns them off elsewhere too. */
@@ -619,8 +617,8 @@ __attribute__((target("avx2"))) static gc_ssize gc_encode_bf16_hw(const uint32_t
     int k;
     for (; i + 16 <= m; i += 16) {
         /* a line 4 KiB ahead: out of L2 (with AVX-512 this loop runs from GC_ENCODE_512_MAX elements) the
-         * hardware prefetcher alone left the serial encode of 1e7 elements at 0.93-0.96 of the streaming
-         * loop; 0.98-1.06 with it, and no change at 1e5 (docs/kernels.md, "Aligned stores and a cheaper
+         * hardware prefetcher alone leaves the serial encode short of the streaming loop; with it the encode
+         * keeps up, and in cache it changes nothing (docs/kernels.md, "Aligned stores and a cheaper
          * check") */
         _mm_prefetch((const char *)(u + i + 1024), _MM_HINT_T0);
         for (k = 0; k < 2; k++) {

@@ -4,10 +4,8 @@ each block.
 Numba's own accumulate checks every result with ``not (abs(s) <= big)``: a mask and a compare per vector,
 counted into the block's flag. The C loop checks two result vectors at once (``t = s0 + s1``, then the bits
 of ``t - t``, which are zero unless a lane is an Inf or a NaN or the sum of the two overflowed, where it
-rescans what it wrote) and costs what the loop without a check costs. At 1e5 float32 elements on 2 threads
-the threaded accumulate divided by 4 took 8.1-8.6 us with Numba's loop and 7.2-8.0 us with the C one, against
-6.2-7.1 us for the streaming loop with no check, taking turns in one process (docs/kernels.md, "Aligned stores
-and a cheaper check").
+rescans what it wrote), so it costs less than Numba's check and comes close to the loop without a check
+(docs/kernels.md, "Aligned stores and a cheaper check").
 
 The C loop's address is an argument, not a constant of the compiled code, so the kernel is cached on disk
 like every other; ``call_acc`` calls it through a pointer made from that integer. Same bits as

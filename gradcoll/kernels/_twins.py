@@ -22,12 +22,12 @@ def split(m):
     The number of blocks is a multiple of ``THREADS`` and the blocks are of one size (a multiple of 16
     elements, 64 bytes of float32: no two threads write one cache line), so every thread gets the same
     share. Blocks of exactly ``BLOCK`` elements, the last one short, gave one thread 4 blocks and the other
-    3 at 1e5 elements on 2 threads (65,536 elements against 34,464), and took 1.2-1.6x the time of an even
-    split from 7e4 to 1e5 elements (docs/kernels.md). ``THREADS`` is a constant in the compiled (and
+    3 at 1e5 elements on 2 threads (65,536 elements against 34,464), so the first thread set the pace, well
+    behind an even split (docs/kernels.md). ``THREADS`` is a constant in the compiled (and
     cached) code, not the thread count of the moment: it sets only how evenly the work is shared, never a
     result, and a process that lowers the count with ``numba.set_num_threads`` gets a split that may be
     uneven. Asking for the count inside the kernel would make it uncacheable (``numba.get_num_threads``
-    reads a ctypes pointer), and asking in Python costs 0.5 us a call. The last blocks may be short or
+    reads a ctypes pointer), and asking in Python costs a small call's share. The last blocks may be short or
     empty (all of them when ``m`` is 0)."""
     nb = max(THREADS, ((m + BLOCK - 1) // BLOCK + THREADS - 1) // THREADS * THREADS)
     return nb, ((m + nb - 1) // nb + 15) // 16 * 16
@@ -39,7 +39,7 @@ def twins(body: Any) -> tuple[Any, Any]:
     Numba's disk cache files an entry under the function's qualified name, line and signature, not its
     options (numba issue 6845): the same function compiled twice, serial and ``parallel=True``, shares one
     entry, and whichever compilation was cached first is what both dispatchers load in every later process.
-    The threaded kernels then ran on one thread (2x slower at 1e7 elements) or the serial ones started
+    The threaded kernels then ran on one thread (at a fraction of their speed) or the serial ones started
     threads, depending on which a process compiled first. The threaded one compiles a copy of the function
     named ``<name>_parallel``.
     """

@@ -4,9 +4,9 @@
  * The same integer operations as the AVX2 loops, on 16 lanes in place of 8, so the same bits: the encode
  * rounds to nearest even by adding 0x7fff plus the lowest kept bit and keeps the largest input magnitude
  * (an Inf or NaN reruns the range with the NaN select), the widening shifts each value into the top half
- * of a float32. Measured where they run (docs/kernels.md, "Wire kernels"): the encode is compute bound in
- * cache with AVX2 (about 1.3x a float32 copy of the same elements), and every bf16 wire collective encodes
- * and widens each element once.
+ * of a float32. Why they exist (docs/kernels.md, "Wire kernels"): the encode is compute bound in cache with
+ * AVX2 (slower than a float32 copy of the same elements), and every bf16 wire collective encodes and widens
+ * each element once.
  *
  * They run where gc_simd() (in _fused.h) is 2; those with floating-point work (the accumulates, the fp16
  * conversions, the wire reduction) only where gc_simd_fp() is 2 too, which it is not on Intel CPUs.
@@ -54,15 +54,15 @@ __attribute__((target("avx512f,avx512bw"))) static gc_ssize gc_encode_bf16_512(c
     return i;
 }
 
-/* From this many elements the bf16 encode runs the AVX2 loop: with its loads aligned the AVX-512 one took
- * 1.05-1.07x its time at 3e6-1e7 elements, where both stream from memory (docs/kernels.md, "The bf16
- * encode's loads"). The fp16 encode's AVX-512 loop was faster there too, and has no such limit. */
+/* From this many elements the bf16 encode runs the AVX2 loop: where both stream from memory the AVX-512 one,
+ * even with its loads aligned, is a little slower (docs/kernels.md, "The bf16 encode's loads"). The fp16
+ * encode's AVX-512 loop is not, and has no such limit. */
 #define GC_ENCODE_512_MAX ((gc_ssize)1 << 21)
 
 /* The widest encode loop, then the next one for what is left (the caller finishes the tail). The AVX-512
  * loop starts where the source is 64-byte aligned, the elements before it encoded one at a time (CONV, with
  * the format's EXP and ULP for the finite check): NumPy's large arrays begin 16 bytes into a line, and every
- * 64-byte load then spans two lines (1.6x the time at 1e5 elements, 1.5x at 1e7). From MAX elements on
+ * 64-byte load then spans two lines (much slower, in cache and from memory alike). From MAX elements on
  * only the AVX2 loop runs; LEVEL (gc_simd or gc_simd_fp) says whether the AVX-512 one does. */
 #define GC_DEFINE_ENCODE_VEC(NAME, CONV, LOOP512, LOOP256, EXP, ULP, MAX, LEVEL)                       \
     static gc_ssize NAME(const uint32_t *u, uint16_t *w, gc_ssize m, uint32_t *flag) {                 \
@@ -139,7 +139,7 @@ __attribute__((target("avx512f,avx512bw"))) static gc_ssize gc_acc_bf16_512(floa
 
 /* acc = finish(acc + widen(w)) for the fp16 wire, 16 lanes a time (the conversion is exact, as the table
  * lookup of the scalar loop is); ORs the finite check's top bit into flag and returns how many it did. With
- * AVX2 only (8 lanes) the serial fp16 accumulate ran at 0.39 of the serial streaming loop at 1e5 elements
+ * AVX2 only (8 lanes) the serial fp16 accumulate runs well below the serial streaming loop's speed
  * (docs/kernels.md, "The fp16 accumulate"). */
 __attribute__((target("avx512f"))) static gc_ssize gc_acc_fp16_512(float *acc, const uint16_t *w, gc_ssize m,
                                                                    float d, int mode, uint32_t *flag) {
@@ -147,7 +147,7 @@ __attribute__((target("avx512f"))) static gc_ssize gc_acc_fp16_512(float *acc, c
 }
 
 /* From this many elements the float32 accumulate runs its AVX2 loop only (docs/kernels.md, "The
- * accumulate's mode"): at 1e7 elements the AVX-512 one took 1.01-1.03x its time. */
+ * accumulate's mode"): streaming from memory, the AVX-512 one is no faster. */
 #define GC_ACC_512_MAX ((gc_ssize)1 << 21)
 
 /* acc = scale(finish(acc + x)) for float32, 32 lanes a step (the AVX2 loop's operations in the same order,

@@ -148,7 +148,7 @@ _BIG: dict[np.dtype, Any] = {}
 def _big(dtype: np.dtype) -> Any:
     """The largest finite value of ``dtype``: ``abs(s) <= big`` is False exactly for NaN and the infinities.
 
-    Remembered per dtype: ``np.finfo`` costs about 0.7 us a call, as much as the kernel on 1,000 elements."""
+    Remembered per dtype: a call of ``np.finfo`` costs as much as the kernel on a small array."""
     big = _BIG.get(dtype)
     if big is None:
         big = _BIG[dtype] = dtype.type(np.finfo(dtype).max)
@@ -216,7 +216,7 @@ _REGISTERED_NAMES: set[str] = set()
 
 # -- the threaded reduce as C entry points (the extension calls them with no Python in between) ----------------
 # Above its limit the extension's fast entry called ``reduce_plain`` through Python: a tuple, this module's
-# frame, Numba's dispatcher typing the tuple. At 1e5 elements that was 1.0-1.4 us of a 5.9 us call of 2 inputs
+# frame, Numba's dispatcher typing the tuple: a sizeable share of a mid-sized call
 # (docs/kernels.md, "The threaded kernels without Python"). Each entry is a ``cfunc`` for one count of inputs,
 # ``int64 entry(T** xs, T* out, int64 m, T f, int64 mode, T big)``, that calls ``sum_parallel`` (the same
 # compiled kernel, so the same bits) on arrays over the pointers. Written out per count: the tuple's length is

@@ -23,7 +23,7 @@ bit that sum sets exactly from there on (a compare would be OR-ed as a packed
 vector of booleans, five instructions per 8 values instead of three). A NaN rounded as a number can carry into the sign bit,
 so when that count is not zero the encode runs again with the select (the
 error path only) and ``dst`` holds the oracle's bits either way. The select
-halves the speed of the loop (measured, docs/kernels.md), so only the
+slows the loop markedly (docs/kernels.md), so only the
 unchecked encode pays for it.
 
 Where the compiled extension is built, the threaded calls (from
@@ -36,7 +36,7 @@ Each thread takes a contiguous run of blocks (of about ``BLOCK`` elements, as
 many for every thread: ``_twins.split``), one per iteration, with
 unsigned indices: a flat ``prange`` over the elements, with signed indices
 (a negative-index fix-up on every access) and a reduction variable, ran
-1.4-1.6x slower at 1e6 elements (measured, docs/kernels.md).
+markedly slower (docs/kernels.md).
 """
 
 from __future__ import annotations

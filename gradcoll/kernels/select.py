@@ -33,15 +33,14 @@ picks one, and a host backend named in ``backend=`` is a
 Why: the Cython kernels (serial, the same one-pass loops as Numba's) have
 the lowest per-call cost (no JIT dispatch), so they win up to ``SMALL_ELEMS``
 output elements; above it the threaded Numba kernels do, both cores working
-(measured on the 2-core CI machine, docs/performance.md). The bf16 kernels
-follow the same rule: above ``SMALL_ELEMS`` the threaded Numba encode (no
-NaN select when checking) and accumulate ran 1.5-1.8x as fast as the serial
-compiled ones at 1e6 and 1e7 elements. For the fp16 wire format
+(docs/performance.md). The bf16 kernels follow the same rule: above
+``SMALL_ELEMS`` the threaded Numba encode (no NaN select when checking) and
+accumulate beat the serial compiled ones. For the fp16 wire format
 (``half=True``: the facade passes it) the threaded Numba kernels run the
 extension's own F16C loops, block by block under ``prange``, where the
 extension is built: Numba converts one value at a time (a branch-free
-select of three ranges to encode, a table lookup to widen), 1.1-4.7x slower
-than the serial compiled loops, which convert 8 values per instruction.
+select of three ranges to encode, a table lookup to widen), slower than the
+serial compiled loops, which convert 8 values per instruction.
 A process group
 names ``cython`` (its ``kernel_backend``): every rank is a process on its
 own core, and threads would only compete for them. The compiled kernels
@@ -55,14 +54,14 @@ Fast path: where the table picks ``cython`` for ``reduce``, ``accumulate``
 or ``lowp`` (``encode_wire``, ``accumulate_wire``), the facade first offers
 the call to the extension's validating entry
 ([`fast_path`][gradcoll.kernels.select.fast_path]): one C call that checks
-plain arrays and runs the kernel (under 1 us for 1,000 elements); anything
+plain arrays and runs the kernel (no Python frame in between); anything
 it does not take (a 2-D input, float16, a non-contiguous array, a NaN to
 explain) goes the general way, through the same table.
 
 ``GRADCOLL_KERNELS`` is read on every call, so a test can set it and get that
-backend. On the hot path it is read with C ``getenv`` (the extension's
-``kernels_env``, about 50 ns): ``os.environ.get`` of an unset name costs about
-1 us (a KeyError raised and caught), as much as the whole call. ``os.environ``
+backend. On the fast path it is read with C ``getenv`` (the extension's
+``kernels_env``): ``os.environ.get`` of an unset name raises and catches a
+KeyError, which costs as much as the whole call. ``os.environ``
 writes through ``putenv``/``unsetenv``, so the C environment sees every change
 made through it. Without the extension there is no fast path, the variable is
 read with ``os.environ.get``, and a call costs microseconds of JIT dispatch
@@ -106,18 +105,14 @@ __all__ = [
 BACKENDS = ("cython", "numba", "numpy", "cuda", "cudasim")
 #: The kinds of kernel call (see the module docstring).
 KINDS = ("reduce", "accumulate", "finite", "scale", "lowp", "exact")
-#: Up to this many output elements the automatic choice is Cython. Measured on the 2-core AMD EPYC with
-#: AVX-512 after the fast entries began calling the threaded kernels' C entries themselves (docs/kernels.md,
-#: "The threaded kernels without Python"), calling them with and without a limit: the threaded accumulate,
-#: encode and accumulate of the wire formats took 0.55-1.0 of the serial loops' time from 66,000 elements
-#: (3.4 against 4.6 us for the accumulate at 1e5), and the threaded finite check 0.55 at 1e5. It was
-#: 131,072 while a threaded call went through Python and Numba's dispatcher (about 1-2 us more), 262,144
-#: before the threads' blocks were split evenly ("An even split").
+#: Up to this many output elements the automatic choice is Cython: above it the threaded accumulate, the
+#: wire formats' encode and accumulate and the threaded finite check take less time than the serial loops,
+#: now that the fast entries call the threaded kernels' C entries with no Python in between (docs/kernels.md,
+#: "The threaded kernels without Python") and the threads' blocks are split evenly ("An even split").
 SMALL_ELEMS = 1 << 16
 #: The reduce's limit for 2 inputs; n inputs move (n + 1) / 3 times the bytes, so their limit is 3 / (n + 1)
-#: of it (``reduce_elems``). Measured on a 2-core Xeon (docs/kernels.md, "Where threads pay off"): the
-#: threaded reduce overtook the serial one at about 65,000-100,000 outputs for 2 inputs, 50,000 for 4, 25,000 for 8,
-#: where the inputs and the output stop fitting in one core's 2 MiB L2 cache.
+#: of it (``reduce_elems``). The threaded reduce overtakes the serial one where the inputs and the output stop
+#: fitting in one core's L2 cache, sooner the more inputs there are (docs/kernels.md, "Where threads pay off").
 REDUCE_SMALL_ELEMS = 1 << 16
 
 

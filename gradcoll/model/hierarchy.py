@@ -86,9 +86,9 @@ def node_split(layout: Sequence[int], node: Node | None, *, sleeping: bool = Fal
     Inside the hosts, the ``H`` hosts' steps run at once, so each host's ``L``
     ranks get ``L / n`` of the cores. Between the hosts, the ``H`` leaders get
     ``H / n`` of them too where the other ranks, waiting for the result, keep
-    polling their links (steps 1 and 3 by messages: measured on 2 "hosts" x 2
-    ranks on 2 cores, the leaders' exchange of 64 KiB took 255-427 us against
-    30 us for 2 ranks alone); with ``sleeping`` (the window's steps, whose
+    polling their links (steps 1 and 3 by messages: the pollers take the
+    leaders' cores, so the leaders' exchange runs several times slower than
+    on their ranks alone); with ``sleeping`` (the window's steps, whose
     waiters sleep in the kernel) the leaders have the node's cores. ``None``
     (a core per rank) stays None.
     """
@@ -117,10 +117,9 @@ def host_model(intra: str, local: AlphaBeta, net: AlphaBeta, node_up: Node | Non
     """The model of steps 1 and 3: ``local``, but where the window's steps run on a host whose ranks share
     cores (``node_up``), with the last-level cache of ``net``'s fit (``cache_bytes``, the cache a rank's own
     work sees). The window's fit is the direct allreduce's, whose every rank reads slots written on other
-    cores; a host of ranks on the same cores writes and reads its slots through those cores' caches. Measured
-    on 2 "hosts" x 2 ranks, each host on a core of its own, the window's 1 MiB predicted the call 21-22% too long
-    at 4 MiB and 12-20% too long at 16 MiB; the last-level cache, within 9% at every size from 4 KiB to 64 MiB
-    (``benches/bench_two_level.py``)."""
+    cores; a host of ranks on the same cores writes and reads its slots through those cores' caches, so the
+    last-level cache predicts such a host's large calls where the window's own cache figure predicts them too
+    long (``benches/bench_two_level.py`` compares the two)."""
     if intra != "window_star" or node_up is None or node_up.ranks <= node_up.cores:
         return local
     return dataclasses.replace(local, cache_bytes=max(local.cache_bytes, net.cache_bytes))

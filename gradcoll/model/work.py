@@ -10,11 +10,13 @@ closed forms per algorithm are in ``gradcoll.model.costmodel``'s docstring.
 from __future__ import annotations
 
 import math
+from collections.abc import Callable
 from typing import NamedTuple
 
 from ..errors import UsageError
 
-__all__ = ["ALGORITHMS", "DIRECT_MODES", "HOST_STEPS", "WINDOW_PIECE_BYTES", "L2_COPIES", "Work", "work", "terms", "out_of_l2", "halving_out_of_l2"]
+__all__ = ["ALGORITHMS", "DIRECT_MODES", "HOST_STEPS", "WINDOW_PIECE_BYTES", "L2_COPIES", "Work", "work", "terms",
+           "out_of_l2", "halving_out_of_l2", "register_work"]
 
 #: The algorithms over links the model covers (``algorithm="auto"`` chooses among them where memory is not shared).
 ALGORITHMS = ("ring", "star", "recursive_doubling", "halving_doubling")
@@ -125,8 +127,20 @@ def work(algorithm: str, n: int, nbytes: float) -> Work:
         # hands the core over.
         rest, pieces = 2.0 * (n - 2) * s / (n - 1), max(1, math.ceil(s / WINDOW_PIECE_BYTES))
         return Work(2.0 * pieces, 0.0, n * s, 3.0 * s, s, rest, (n - 2) * s, min(s, WINDOW_PIECE_BYTES))
+    registered = _REGISTERED.get(algorithm)
+    if registered is not None:
+        return registered(n, s)
     raise UsageError(f"unknown algorithm {algorithm!r}; the model covers "
-                     f"{', '.join(ALGORITHMS + DIRECT_MODES + HOST_STEPS[1:])}")
+                     f"{', '.join(ALGORITHMS + DIRECT_MODES + HOST_STEPS[1:] + tuple(_REGISTERED))}")
+
+
+#: Terms of schedules that bring their own (``register_work``), by name.
+_REGISTERED: dict[str, Callable[[int, float], Work]] = {}
+
+
+def register_work(name: str, fn: Callable[[int, float], Work]) -> None:
+    """Give the model ``fn(n, S)``, the critical-path terms of schedule ``name`` (its registry entry's)."""
+    _REGISTERED[name] = fn
 
 
 def terms(algorithm: str, n: int, nbytes: float) -> tuple[float, float, float]:

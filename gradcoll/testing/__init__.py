@@ -10,7 +10,9 @@ rank per process (``run_spmd``, e.g. under ``mpirun``). Process checks
 The suite covers ordering, tags, zero-length and large messages, full-duplex
 ``sendrecv`` (pair and ring), tag/length mismatches, timeouts, orderly close
 by the peer and locally, invalid peers and buffers, withdrawing requests
-(``cancel``), lenient tags, wait accounting (``note_wait``) and dead peers.
+(``cancel``), lenient tags, wait accounting (``note_wait``) and dead peers,
+and a tier for each optional capability the transport declares
+(``capability_checks``: compiled ``rounds``, the shared window).
 Transports whose ranks share memory also pass the window checks
 (``window_checks``: ``check_window``, ``run_window_check``): layout,
 publish-then-read, descriptors, timeouts naming the late ranks, waiting
@@ -23,7 +25,7 @@ them), ``runners`` (ranks as threads: ``run_ranks``, ``gather_ranks``,
 
 from __future__ import annotations
 
-from .checks import CHECKS
+from .capability_checks import CAPABILITY_CHECKS, CHECKS
 from .checks import LARGE as LARGE
 from .conformance import PROCESS_CHECKS, check_transport, run_check, run_spmd
 from .runners import gather_ranks, run_ranks, threaded_group
@@ -37,6 +39,7 @@ __all__ = [
     "run_check",
     "run_spmd",
     "CHECKS",
+    "CAPABILITY_CHECKS",
     "PROCESS_CHECKS",
     "WINDOW_CHECKS",
     "check_window",

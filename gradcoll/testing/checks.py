@@ -22,7 +22,7 @@ from ..errors import CollectiveMismatch, CollectiveTimeout, TransportClosed, Usa
 from ..transport.base import Transport
 from ..transport.frame import LENIENT_TAG, FrameMismatch
 
-__all__ = ["Ctx", "Check", "CHECKS", "LARGE"]
+__all__ = ["Ctx", "Check", "CORE_CHECKS", "LARGE"]
 
 LARGE = 32 << 20
 
@@ -343,8 +343,9 @@ def _note_wait(t: Transport, ctx: Ctx) -> None:
     assert abs(t.blocked_s - before - 0.75) < 1e-9, f"blocked_s went from {before} to {t.blocked_s} after 0.75 s"
 
 
-#: Every thread-mode check by name, in the order check_transport runs them.
-CHECKS: Mapping[str, Check] = MappingProxyType({c.name: c for c in (
+#: The core thread-mode checks by name, in the order check_transport runs them (``capability_checks`` adds the
+#: capability tiers: ``CHECKS``).
+CORE_CHECKS: Mapping[str, Check] = MappingProxyType({c.name: c for c in (
     _world_of_one, _invalid_peer, _bad_buffers, _ordering_and_tags, _many_outstanding,
     _zero_length, _large, _sendrecv_duplex, _ring, _tag_mismatch, _length_mismatch,
     _timeouts, _peer_closes, _close_wakes_waiter, _shared_by_threads,

@@ -14,7 +14,8 @@ import numpy as np
 from ..errors import TransportBroken, UsageError
 from ..store import FileStore
 from ..transport.base import Transport
-from .checks import CHECKS, LARGE, Ctx, _raises
+from .capability_checks import CHECKS
+from .checks import LARGE, Ctx, _raises
 from .runners import run_ranks
 
 __all__ = ["check_transport", "run_check", "run_spmd", "PROCESS_CHECKS"]

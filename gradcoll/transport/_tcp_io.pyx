@@ -195,7 +195,7 @@ cdef inline Py_ssize_t _first_bad(const uint8_t* a, Py_ssize_t lo, Py_ssize_t hi
 cdef inline bint _aliased(const uint8_t* p) noexcept nogil:
     """Whether the kernel's copy of a payload at ``p`` into the socket's buffer pages is the slow one: the bytes
     land ``24 + i`` (mod 4096) into those pages in the usual case (the header first), and when that is 1-31 bytes
-    past the source's page offset, AMD Zen cores run the copy's ``rep movsb`` 2-3x slower (4K aliasing: each
+    past the source's page offset, AMD Zen cores run the copy's ``rep movsb`` several times slower (4K aliasing: each
     load seems to depend on a store just made; ``benches/bench_page_offset.py``). 1-63 is taken, for margin.
     A large NumPy array starts 16 bytes into a page: 8 bytes past."""
     cdef size_t d = (<size_t>HDR - (<size_t>p & 4095)) & 4095
@@ -299,7 +299,7 @@ cdef extern from *:
     #include <string.h>
     #include <time.h>
     /* The string copy the kernel copies socket payloads with (rep movsb), timed into a destination 8 bytes past
-       its source's page offset (where AMD Zen cores run it 2-3x slower) and into one half a page away; the
+       its source's page offset (where AMD Zen cores run it several times slower) and into one half a page away; the
        ratio of the best of ``rounds`` each. 1.0 where the copy is not that instruction (not x86-64 GCC/Clang). */
     static double gct_now(void) { struct timespec t; clock_gettime(CLOCK_MONOTONIC, &t); return t.tv_sec + t.tv_nsec * 1e-9; }
     static double gct_alias_ratio(size_t n, int rounds) {
@@ -335,7 +335,7 @@ cdef extern from *:
 def copy_alias_ratio(Py_ssize_t nbytes=64 << 10, int rounds=15):
     """How much slower the CPU's string copy (``rep movsb``, the kernel's copy of socket payloads) runs into a
     destination 8 bytes past its source's page offset than into one half a page away: best of ``rounds``
-    copies of ``nbytes`` each way. About 2-3 on the AMD EPYC of docs/performance.md, 1.0 on the Intel Xeon."""
+    copies of ``nbytes`` each way. Well above 1 on AMD Zen cores, about 1 on Intel ones."""
     with nogil:
         r = gct_alias_ratio(nbytes, rounds)
     return r
@@ -979,9 +979,8 @@ cdef class PlanCall:
     """``tcp_rounds.Runner``'s call in C: the links' checks and seqs under the transport's lock, the rounds
     (``exchange_plan``'s body, without its arguments' conversion), and the links handed back after a call that
     ended as planned (``done``). Anything else (``BAD_INPUT``, a round stopped early, a bad input element found)
-    goes to ``Runner.after``, in Python, which judges it as before. It took a 4 KiB allreduce from 13.3-13.7 to
-    12.3-12.9 us on 2 ranks, and from 53-84 to 47-50 us on 4 sharing 2 cores (docs/performance.md, "Runs of
-    2026-12-05, late: the rounds' frame in C")."""
+    goes to ``Runner.after``, in Python, which judges it as before. Why in C: the Python frame around the
+    rounds was a sizeable share of a small allreduce (docs/performance.md, "the rounds' frame in C")."""
 
     cdef object runner, t, mu, ls, uniq, fill, sends, recvs, fast, stage_obj, spec_obj
     cdef int64_t[::1] spec

@@ -51,7 +51,9 @@ Contract (checked by ``gradcoll.testing.check_transport``):
   per rank (MPI-3's ``MPI_Win_allocate_shared``). Collective: every rank calls
   it in the same order with the same ``nbytes``; other transports return None.
   ``group_window()`` is the window the collectives share (made at its first
-  call); ``close()`` closes every window.
+  call; ``shared_window`` once it is), ``close()`` closes every window.
+* ``rounds``: the optional compiled-rounds capability
+  ([`Rounds`][gradcoll.transport.plan.Rounds]), or None.
 """
 
 from __future__ import annotations
@@ -62,6 +64,7 @@ from typing import Any, NamedTuple, Protocol
 
 from .._util import Deadline
 from ..errors import CollectiveTimeout, TransportError, UsageError
+from .plan import Rounds
 
 __all__ = ["Transport", "Request", "QueuedRequest", "Deadline", "as_bytes_view", "as_writable_view", "Window",
            "WindowLayout", "WindowAlarm", "GROUP_WINDOW_BYTES"]
@@ -286,6 +289,8 @@ class Transport(abc.ABC):
     #: (or what the receive itself expects, if more); a longer one is refused unread with a ProtocolError
     #: naming the peer. The collectives raise it to the size of the call they run.
     stray_limit: int = 64 << 20
+    #: Compiled exchange-and-reduce rounds (``gradcoll.transport.plan.Rounds``), where the transport has them.
+    rounds: Rounds | None = None
 
     def __init__(self, rank: int, size: int, timeout: float = 300.0) -> None:
         if size < 1:
@@ -297,7 +302,8 @@ class Transport(abc.ABC):
         self.timeout = timeout
         self.closed = False
         self._windows: list[Window] = []
-        self._group_window: Window | None = None
+        #: ``group_window()`` once it was made (None before, and where memory is not shared).
+        self.shared_window: Window | None = None
 
     # -- helpers for implementations -------------------------------------
     def _check_peer(self, peer: int) -> None:
@@ -337,15 +343,8 @@ class Transport(abc.ABC):
         """Blocking receive into ``out``; returns the number of bytes received."""
         return self.irecv(peer, out, tag).wait(self._timeout(timeout))
 
-    def sendrecv(
-        self,
-        dst: int,
-        sendbuf: Any,
-        src: int,
-        recvbuf: Any,
-        tag: int = 0,
-        timeout: float | None = None,
-    ) -> int:
+    def sendrecv(self, dst: int, sendbuf: Any, src: int, recvbuf: Any, tag: int = 0,
+                 timeout: float | None = None) -> int:
         """Full-duplex: send ``sendbuf`` to ``dst`` while receiving into ``recvbuf`` from ``src``."""
         deadline = Deadline(self._timeout(timeout))
         rreq = self.irecv(src, recvbuf, tag)
@@ -360,9 +359,9 @@ class Transport(abc.ABC):
 
     def group_window(self, timeout: float | None = None) -> Window | None:
         """The window the collectives share (collective at its first call), or None where memory is not shared."""
-        if self._group_window is None and self.shared_memory:
-            self._group_window = self.window(GROUP_WINDOW_BYTES, timeout)
-        return self._group_window
+        if self.shared_window is None and self.shared_memory:
+            self.shared_window = self.window(GROUP_WINDOW_BYTES, timeout)
+        return self.shared_window
 
     def _keep_window(self, win: Window) -> Window:
         """For implementations: remember ``win`` so that ``close`` closes it."""

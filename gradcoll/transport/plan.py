@@ -1,4 +1,12 @@
-"""The plan of a multi-round compiled allreduce call (``Transport.exchange_plan``).
+"""The compiled-rounds capability (``Transport.rounds``) and the plan of a multi-round call it runs.
+
+``Rounds`` is an optional capability a transport declares (``Transport.rounds``:
+None where it has none; tcp's is itself): exchange-and-reduce steps and
+whole sequences of them in compiled calls, with the frames the transport's
+``sendrecv`` sends. Every method declines before a byte moves where it
+cannot run the call (``exchange_reduce``: ``DECLINED``; the others: 0 or
+None), and the caller then runs its general path. ``gradcoll.testing.check_transport``
+checks the capability where a transport declares it.
 
 ``FIELDS`` 64-bit integers per round, in the order of the names below: the
 send link's file descriptor, the frames' tag, the send and receive sequence
@@ -16,14 +24,61 @@ socket.
 
 from __future__ import annotations
 
+import abc
 import array
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 
-__all__ = ["FD", "TAG", "SSEQ", "RSEQ", "A", "B", "C", "D", "FLAGS", "RFD", "FIELDS", "COPY", "DIVIDE", "CHECK", "make", "set_tags"]
+import numpy as np
+
+__all__ = ["Rounds", "PlanRunner", "DECLINED", "MOVED", "REDUCED", "FD", "TAG", "SSEQ", "RSEQ", "A", "B", "C", "D",
+           "FLAGS", "RFD", "FIELDS", "COPY", "DIVIDE", "CHECK", "make", "set_tags"]
 
 FD, TAG, SSEQ, RSEQ, A, B, C, D, FLAGS, RFD = range(10)
 FIELDS = 10
 COPY, DIVIDE, CHECK = 1, 2, 4
+
+#: ``Rounds.exchange_reduce``'s outcomes.
+DECLINED = -1  # nothing moved: the caller runs its general path
+MOVED = 0  # both frames moved, nothing reduced (a copy: the caller reduces nothing)
+REDUCED = 1  # moved and reduced; the result is finite (or was not checked)
+
+#: A prepared ``exchange_plan`` of one sequence of rounds: ``run(flat, tmp, plan, timeout, divisor, check, found,
+#: at)``, the rounds done (0: declined, nothing moved).
+PlanRunner = Callable[..., int]
+
+
+class Rounds(abc.ABC):
+    """The compiled-rounds capability (see the module docstring)."""
+
+    @abc.abstractmethod
+    def exchange_reduce(self, peer: int, acc: np.ndarray, tmp: np.ndarray, tag: int, timeout: float | None,
+                        divisor: float, check_input: bool, check: bool,
+                        found: list[tuple[int, float]] | None = None, send: np.ndarray | None = None,
+                        at: tuple[int, int] = (0, 0), copy: bool = False) -> int:
+        """``sendrecv(peer, send or acc, peer, tmp)``, then ``acc += tmp`` (the sum divided by ``divisor``), in one
+        step; with ``copy``, receive into ``acc`` and reduce nothing. ``check_input``: check ``acc`` as this
+        rank's input (a bad element's ``(index, value)`` into ``found``); ``check``: check the sum. Returns
+        ``DECLINED``, ``MOVED`` or ``REDUCED`` (a sum found not finite is marked at its first element)."""
+
+    @abc.abstractmethod
+    def exchange_rounds(self, peers: tuple[int, ...], acc: np.ndarray, tmp: np.ndarray, tag: int,
+                        timeout: float | None, divisor: float, check: bool, found: list[tuple[int, float]],
+                        at: list[int]) -> int:
+        """A recursive doubling's rounds: ``exchange_reduce`` of all of ``acc`` with each of ``peers`` in turn (the
+        last divides); the rounds done (fewer: one stopped early, finished by the transport; 0: declined)."""
+
+    @abc.abstractmethod
+    def exchange_plan(self, peers: tuple[int, ...], flat: np.ndarray, tmp: np.ndarray, spec: array.array[int],
+                      timeout: float | None, divisor: float, check: bool, found: list[tuple[int, float]],
+                      at: list[int], sources: tuple[int, ...] | None = None) -> int:
+        """The rounds of ``spec`` (this module's layout) on parts of ``flat``, round ``k`` with ``peers[k]``
+        (receiving from ``sources[k]``); the rounds done, as ``exchange_rounds``."""
+
+    @abc.abstractmethod
+    def plan_runner(self, peers: tuple[int, ...], sources: tuple[int, ...] | None = None) -> PlanRunner | None:
+        """``exchange_plan`` of these rounds prepared once for repeated calls, or None."""
+
+
 
 
 def make(rounds: Iterable[tuple[int, int, int, int, int, int]]) -> array.array[int]:

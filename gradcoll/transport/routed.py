@@ -26,6 +26,7 @@ from typing import Any
 from ..errors import CollectiveMismatch, CollectiveTimeout, GradcollError, TransportError, UsageError
 from .base import Request, Transport
 from .frame import FrameMismatch
+from .plan import DECLINED, PlanRunner, Rounds
 
 __all__ = ["RoutedTransport"]
 
@@ -51,7 +52,7 @@ class _Routed(Request):
         return self._req.cancel()
 
 
-class RoutedTransport(Transport):
+class RoutedTransport(Transport, Rounds):
     """``net`` for other hosts, ``local`` (over ``members``, the group ranks of this host) for this one."""
 
     def __init__(self, net: Transport, local: Transport, members: Sequence[int]) -> None:
@@ -64,6 +65,7 @@ class RoutedTransport(Transport):
         self.name = f"{net.name}+{local.name}"
         self.lenient_tags = net.lenient_tags and local.lenient_tags
         self._index = {p: i for i, p in enumerate(members)}
+        self.rounds = self if net.rounds is not None else None  # the leaders' plans, where every peer is remote
 
     @property
     def blocked_s(self) -> float:
@@ -134,13 +136,22 @@ class RoutedTransport(Transport):
         return super().sendrecv(dst, sendbuf, src, recvbuf, tag, timeout)
 
     def exchange_plan(self, peers: tuple[int, ...], *args: Any) -> int:
-        """``net``'s rounds in one compiled call (``Transport.exchange_plan``: the two-level allreduce's ring of
+        """``net``'s rounds in one compiled call (``Rounds.exchange_plan``: the two-level allreduce's ring of
         host leaders) where every peer sent to and received from is on another host; else 0, nothing moved."""
-        run = getattr(self.net, "exchange_plan", None)
+        net = self.net.rounds
         sources = args[8] if len(args) > 8 and args[8] is not None else ()
-        if run is None or any(self._route(p) is not None for p in (*peers, *sources)):
+        if net is None or any(self._route(p) is not None for p in (*peers, *sources)):
             return 0
-        return int(run(peers, *args))
+        return int(net.exchange_plan(peers, *args))
+
+    def exchange_reduce(self, *args: Any, **kw: Any) -> int:
+        return DECLINED  # (the routed group's steps take the general path)
+
+    def exchange_rounds(self, *args: Any) -> int:
+        return 0
+
+    def plan_runner(self, peers: tuple[int, ...], sources: tuple[int, ...] | None = None) -> PlanRunner | None:
+        return None
 
     @property
     def closed(self) -> bool:

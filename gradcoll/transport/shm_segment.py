@@ -17,11 +17,10 @@ path's business, ``gradcoll.transport.shm``; this module owns the file.
 The whole segment is allocated when it is created (``posix_fallocate``) and
 mapped with ``MAP_POPULATE`` on both sides, so no byte that travels later
 takes a page fault. Mapped lazily, the first pass of the traffic through
-each ring (8 MiB per direction) faulted one page in per 4 KiB on each side:
-about 35 faults in each rank per 128 KiB allreduce on 2 ranks, 40% of its
-time. Where ``/dev/shm`` has no room for the whole segment, a warning says
-so and the pages come on first touch, as before (a write past the room
-fails with SIGBUS, as it always did).
+each ring (8 MiB per direction) faulted one page in per 4 KiB on each side,
+a large share of a mid-sized allreduce's time. Where ``/dev/shm`` has no
+room for the whole segment, a warning says so and the pages come on first
+touch (a write past the room fails with SIGBUS).
 
 Each side holds a ``lockf`` lock on its own byte of the file for as long as
 it lives (the kernel releases it when the process dies, even as a zombie),

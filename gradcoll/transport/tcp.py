@@ -57,6 +57,7 @@ from . import tcp_fast as fast
 from . import tcp_rounds
 from . import tcp_secure as sec
 from ._engine import FramedTransport, Link, Op
+from .plan import PlanRunner, Rounds
 from .tcp_connect import SOCKBUF, Linked, connect
 from .tcp_liveness import HEARTBEAT_S, LINK_TIMEOUT_S, set_liveness, unreachable_or_broken
 from .tcp_secure import tls_contexts
@@ -100,7 +101,7 @@ class _SockLink(Link):
         return fr.pack_header(self.send_seq, tag, 0, kind)
 
 
-class TcpTransport(FramedTransport):
+class TcpTransport(FramedTransport, Rounds):
     """Point-to-point transport over one TCP connection per peer (see the module docstring)."""
 
     name = "tcp"
@@ -116,6 +117,7 @@ class TcpTransport(FramedTransport):
             ln.sock.setblocking(False)
             set_liveness(ln.sock, heartbeat_s, link_timeout)
         super().__init__(rank, size, {p: _SockLink(p, *ln) for p, ln in links.items()}, timeout)
+        self.rounds = self if _IO is not None else None  # the compiled rounds need the extension
         self._peers: list[_SockLink] = [cast(_SockLink, ln) for ln in self._links if ln is not None]
         self._tls = any(ln.secure is not None and ln.secure.tls for ln in self._peers)
         self._poll = select.poll()
@@ -136,28 +138,19 @@ class TcpTransport(FramedTransport):
                         divisor: float, check_input: bool, check: bool,
                         found: list[tuple[int, float]] | None = None, send: np.ndarray | None = None,
                         at: tuple[int, int] = (0, 0), copy: bool = False) -> int:
-        """``sendrecv(peer, acc, peer, tmp)`` then ``acc += tmp`` (``/ divisor``), in one compiled step where it can.
-
-        An outcome of ``gradcoll.transport.tcp_fast`` (``DECLINED``: nothing
-        moved, run the general path). ``found`` receives ``(index, value)``
-        when ``check_input`` found ``acc`` not finite after its frame started.
-        ``send``: send this array instead of ``acc`` (a recursive-halving
-        round; ``at``: where it and ``acc`` start in the caller's buffer);
-        with ``copy``, receive into ``acc`` and reduce nothing (an allgather
-        round).
-        """
+        """``Rounds.exchange_reduce``: one compiled step (``gradcoll.transport.tcp_fast``) where it can."""
         if _IO is None:
             return fast.DECLINED
         return fast.exchange_reduce(self, _IO, peer, acc, tmp, tag, timeout, divisor, check_input, check, found,
                                     send, at, copy)
 
-    def exchange_rounds(self, *args: Any) -> int:  # a recursive doubling's rounds in one compiled call
+    def exchange_rounds(self, *args: Any) -> int:  # a recursive doubling's rounds
         return 0 if _IO is None else tcp_rounds.exchange_rounds(self, _IO, *args)
 
-    def exchange_plan(self, *args: Any) -> int:  # an allreduce's rounds on parts of one buffer, in one call
+    def exchange_plan(self, *args: Any) -> int:  # an allreduce's rounds in one call
         return 0 if _IO is None else tcp_rounds.exchange_plan(self, _IO, *args)
 
-    def plan_runner(self, peers: tuple[int, ...], sources: tuple[int, ...] | None = None) -> Any:
+    def plan_runner(self, peers: tuple[int, ...], sources: tuple[int, ...] | None = None) -> PlanRunner | None:
         """``exchange_plan`` of these rounds prepared for repeated calls (``tcp_rounds.Runner``), or None."""
         return None if _IO is None else tcp_rounds.runner(self, _IO, peers, sources)
 

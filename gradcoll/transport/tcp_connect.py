@@ -60,8 +60,8 @@ log = logging.getLogger("gradcoll.transport.tcp")  # the transport's logger, as 
 SOCKBUF = 4 << 20
 #: The congestion control of a link whose two ends are on one host (a loopback address, or the same address at
 #: both ends). A pacing one, such as BBR where it is the system's default, sends each burst from a timer: on a
-#: link with no network under it that only costs, and 4 ranks on 2 cores took 6.1-6.5 ms per 4 MiB allreduce
-#: with BBR against 3.7 ms with reno or cubic (docs/transports.md, "Congestion control"). Reno is in every
+#: link with no network under it that only costs, and a large allreduce is markedly slower with BBR than with
+#: reno or cubic (docs/transports.md, "Congestion control"). Reno is in every
 #: kernel's list of those a process may choose. ``GRADCOLL_TCP_CONGESTION`` names another, for every link.
 LOCAL_CONGESTION = "reno"
 #: Seconds one connection may take to complete the handshake.

@@ -20,8 +20,8 @@ It takes large buffers too. The send runs at most ``PIECE_BYTES`` bytes
 ahead of the receive, so each piece of the input is checked just before the
 socket copies it and is still in cache when the peer's piece is added to
 it, and the peer's bytes arrive in a ring of ``RING_BYTES`` that every step
-of the transport reuses (``tmp`` is written only when a step stops early): at 2 ranks a whole 1-64 MiB allreduce is one such call, and measured
-faster than the ring (whose reduction runs in Python-driven segments).
+of the transport reuses (``tmp`` is written only when a step stops early): at 2 ranks a whole large allreduce is
+one such call, faster than the ring (whose reduction runs in Python-driven segments).
 
 While the call runs, this thread is the transport's driver and the link is
 ``_stepping``: other threads queue behind it and wake it through the
@@ -53,6 +53,7 @@ from ..errors import ProtocolError
 from . import frame as fr
 from ._engine import Op
 from .base import as_bytes_view, as_writable_view
+from .plan import DECLINED, MOVED, REDUCED
 
 __all__ = ["exchange_reduce", "header_in", "read_stash", "SMALL_BYTES", "PIECE_BYTES", "DECLINED", "MOVED", "REDUCED",
            "NONFINITE"]
@@ -62,16 +63,16 @@ SMALL_BYTES = 1 << 40
 
 #: How far (bytes of payload) the send may run ahead of the receive: each piece of the input is checked just
 #: before the socket takes it, and is in cache when the peer's piece is added to it if it fits. Every piece
-#: ends in a wait of both ranks for each other, and on a virtual machine such a wait can stall for
-#: milliseconds with both ranks idle: 1 MiB was the best of 256 KiB-4 MiB on 2 ranks for 1-16 MiB buffers on
-#: the AMD EPYC machine of docs/performance.md (256 KiB had been on the Intel Xeon, where the stalls came only
-#: at 16 MiB). A refit records it as the cost model's ``piece_bytes`` for tcp.
+#: ends in a wait of both ranks for each other, and on a virtual machine such a wait can stall for a long
+#: time with both ranks idle: fewer, larger pieces stall less often, smaller ones keep the piece in cache; this
+#: size is the best trade found for large buffers (docs/performance.md, "the step's piece"). A refit records it
+#: as the cost model's ``piece_bytes`` for tcp.
 PIECE_BYTES = 1 << 20
 #: The ring the peer's payload arrives in, reused by every step: it stays in cache however large the frame.
 RING_BYTES = 2 * PIECE_BYTES
 #: Where the ring starts within a 4 KiB page. The kernel copies each received byte from the socket's pages into
 #: the ring; byte ``p`` of a payload sits at page offset ``24 + p`` (mod 4096) there in the usual case, after
-#: the header. On AMD Zen cores that copy runs 2-3x slower when its destination lies 1-31 bytes past its
+#: the header. On AMD Zen cores that copy runs several times slower when its destination lies 1-31 bytes past its
 #: source's page offset (4K aliasing; docs/transports.md, "Page offsets of the kernel's copies"). Half a page
 #: away, the ring stays clear of it even when the payload starts elsewhere in the socket's pages.
 RING_PAGE_OFFSET = 2048
@@ -81,14 +82,14 @@ RING_PAGE_OFFSET = 2048
 STAGE_BYTES = 256 << 10
 #: Frames with a payload of at least ``STAGE_MIN`` and at most ``STAGE_MAX`` bytes are offered the staging
 #: buffer. Smaller ones are not worth a look; larger ones do not stay in the cache, where the extra copy cost
-#: more than the slow one saved (on 2 ranks at 16 MiB: docs/performance.md, "the page offset of a send").
+#: more than the slow one saved (docs/performance.md, "the page offset of a send").
 STAGE_MIN = 64 << 10
 STAGE_MAX = 8 << 20
 #: Whether sends stage at all: None until the first send that could (then ``copy_alias_ratio`` of the compiled
 #: loops decides, once per process: staging where the CPU's string copy runs at least ``ALIAS_RATIO`` times
-#: slower into the aliased destination). On the AMD EPYC that copy was 2-3x slower there; on an Intel Xeon
-#: 1.1x in user space and no slower in the kernel (``benches/bench_page_offset.py``: all offsets within 7%),
-#: and staging cost 5-14% at 1-4 MiB (docs/performance.md, "Congestion control and staging"). True or False
+#: slower into the aliased destination). AMD Zen cores pay the aliasing; Intel ones hardly do, in user space
+#: or in the kernel (``benches/bench_page_offset.py``), and there staging only adds a copy (docs/performance.md,
+#: "Congestion control and staging"). True or False
 #: sets it (the tests stage on every CPU); so does ``GRADCOLL_TCP_STAGE=1`` or ``0`` in a new process.
 STAGING: bool | None = None
 ALIAS_RATIO = 1.3
@@ -100,9 +101,7 @@ ALIAS_RATIO = 1.3
 STEP_SPIN_S = 5e-4
 
 #: ``exchange_reduce``'s outcomes.
-DECLINED = -1  # nothing moved: the caller runs its general path
-MOVED = 0  # both frames moved, nothing reduced (a copy: the caller reduces nothing)
-REDUCED = 1  # moved and reduced; the result is finite (or was not checked)
+# (the outcomes are the capability's: ``gradcoll.transport.plan``)
 NONFINITE = 2  # moved and reduced; the result is not finite, marked with a NaN at element 0
 
 _HDR = fr.HEADER_SIZE

@@ -13,9 +13,9 @@ segment, each sending to one neighbour and receiving from the other
 (``sources``: the round's receive link, where it is not its send link). A
 link may serve several rounds (a halving-doubling's reduce-scatter and
 allgather meet the same partners, a ring's neighbours every step): its
-sends take consecutive seqs, and so do its receives. On 4 ranks at 4 KiB
-this took the calls' Python from 14.5 to 12.3 us of CPU time per call
-(docs/performance.md, "Rounds in one call").
+sends take consecutive seqs, and so do its receives. Running every round in
+one call saves the Python between the rounds, a sizeable share of a small
+call (docs/performance.md, "rounds in one call").
 
 ``Runner`` is such a call prepared once for one sequence of rounds (its
 links, where each round's link and seqs go, the ring and staging buffers):
@@ -109,7 +109,7 @@ class Runner:
     link and seqs go in the plan, and the transport's ring and staging buffers. A repeated allreduce of one size
     (the group's fast path) calls it with the plan and the arrays; ``exchange_plan`` keeps one per sequence."""
 
-    __slots__ = ("t", "io", "ls", "n", "fill", "sends", "recvs", "uniq", "ring", "stage", "hot")
+    __slots__ = ("t", "io", "ls", "n", "fill", "sends", "recvs", "uniq", "ring", "stage", "call")
 
     def __init__(self, t: Any, io: ModuleType, peers: tuple[int, ...], sources: tuple[int, ...]) -> None:
         self.t, self.io, self.n = t, io, len(peers)
@@ -122,13 +122,13 @@ class Runner:
         self.stage = _stage(t) if staging(io) else None
         #: The call (``_tcp_io.PlanCall``: the checks, seqs and hand-back around the rounds in C), where the links
         #: carry no secret.
-        self.hot: Any = None if ls.secure else io.PlanCall(self, fast)
+        self.call: Any = None if ls.secure else io.PlanCall(self, fast)
 
     def __call__(self, flat: np.ndarray, tmp: np.ndarray, spec: array.array[int], timeout: float | None,
                  divisor: float, check: bool, found: list[tuple[int, float]], at: list[int]) -> int:
         """``exchange_plan``'s call (its tags already checked): ``_tcp_io.PlanCall``'s, 0 where it has none (a
         secret on a link: its frames are tagged, and the engine's step moves them)."""
-        return 0 if self.hot is None else int(self.hot(flat, tmp, spec, timeout, divisor, check, found, at))
+        return 0 if self.call is None else int(self.call(flat, tmp, spec, timeout, divisor, check, found, at))
 
     def after(self, answer: tuple[Any, ...], flat: np.ndarray, tmp: np.ndarray, spec: array.array[int],
               limit: float | None, started: float, divisor: float, check: bool, found: list[tuple[int, float]],
@@ -142,7 +142,7 @@ class Runner:
         if bad is not None:
             found.append((bad[0], bad[1]))
         if out != self.io.STOPPED:
-            self.hot.done()
+            self.call.done()
             return self.n
         return self._stopped(k, flat, tmp, spec, sent, got, serr, rerr, eof, hdr, red, fin, limit, started, divisor,
                              check, at)

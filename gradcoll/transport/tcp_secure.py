@@ -5,8 +5,8 @@ A link gets here when the group has a secret (its frames carry tags) or an
 the plain path of ``gradcoll.transport.tcp`` (compiled where built), whose
 bytes and speed do not change. These loops are Python: a non-blocking SSL
 socket has no ``sendmsg``/``recvmsg_into``, and a tag costs a pass of
-HMAC-SHA256 over the payload (about 1.4 GB/s with SHA extensions), which
-dwarfs what a compiled loop would save (``benches/bench_secret.py``).
+HMAC-SHA256 over the payload, which dwarfs what a compiled loop would save
+(``benches/bench_secret.py``).
 
 Frame on a tagged link (``docs/wire.md``)::
 

@@ -9,6 +9,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+from gradcoll.algorithms import SCHEDULES
 from gradcoll.algorithms.deterministic import deterministic_allreduce, exact_reduce, fraction_bits
 from gradcoll.errors import NonFiniteError, UsageError
 from gradcoll.group.process_group import ProcessGroup
@@ -22,7 +23,7 @@ def run(n: int, fn: Any) -> tuple[list[Any], list[BaseException | None]]:
     ts = create_world(n, timeout=10.0)
     return gather_ranks(lambda r: fn(r, ts[r]), n)
 
-ALGOS = ("ring", "star", "recursive_doubling")
+ALGOS = tuple(name for name, s in SCHEDULES.items() if s.rows is not None)  # every schedule with a rows form
 
 
 def contributions(n: int, count: int, spread: int, seed: int) -> list[np.ndarray]:
@@ -57,6 +58,29 @@ def test_same_bits_for_every_algorithm_and_permutation(n: int) -> None:
         if spread <= fraction_bits(n) - 24:  # every input is on the grid: the float64 sum, rounded once
             ref = (np.stack(data).astype(np.float64).sum(0) / n).astype(np.float32)
             assert want == ref.tobytes()
+
+
+@pytest.mark.parametrize("hosts", [[0, 1, 0, 1, 2], [0, 0, 0, 1, 1], [0, 1, 2, 3, 4], ["a"] * 5])
+def test_two_level_over_hosts_gives_every_schedules_bits(hosts: list[Any]) -> None:
+    """The two-level schedule's rows form over several hosts (leaders 0, 1, 2 ...; members not contiguous) gives
+    the bits of the ring and of halving-doubling, and the wire variant's bits of theirs."""
+    data = contributions(5, 1003, 40, seed=55)
+    want = allreduce_all(data, "ring")[0].tobytes()
+    assert allreduce_all(data, "halving_doubling")[0].tobytes() == want
+    for b in allreduce_all(data, "two_level", hosts=hosts):
+        assert b.tobytes() == want
+
+    from gradcoll.algorithms.low_precision import wire_allreduce
+
+    def wire(algo: str, **kw: Any) -> list[bytes]:
+        bufs = [d.copy() for d in data]
+        _, err = run(5, lambda r, t: wire_allreduce(t, bufs[r], wire="bf16", algorithm=algo, seq=3, **kw))
+        assert err == [None] * 5, err
+        return [b.tobytes() for b in bufs]
+
+    ring = wire("ring")
+    assert set(wire("two_level", hosts=hosts)) == set(ring) and len(set(ring)) == 1
+    assert set(wire("tree")) == set(ring) and set(wire("halving_doubling")) == set(ring)
 
 
 @pytest.mark.parametrize("op", ["mean", "sum"])
@@ -178,18 +202,21 @@ def test_nonfinite_halts_every_rank(algo: str) -> None:
 def test_group_api_and_usage() -> None:
     data = contributions(4, 500, 20, seed=3)
 
-    def body(r: int, t: Any) -> tuple[bytes, bytes, int]:
+    def body(r: int, t: Any) -> tuple[bytes, bytes, bytes, int]:
         g = ProcessGroup(t)
         a = g.allreduce(data[r].copy(), deterministic=True, algorithm="star")
         b = g.allreduce(data[r].copy(), deterministic=True, algorithm="ring")
+        m = g.allreduce(data[r].copy(), deterministic=True, op="max")  # exact in any order: the plain form
         with pytest.raises(UsageError):
-            g.allreduce(data[r].copy(), deterministic=True, op="max")
-        return a.tobytes(), b.tobytes(), g.seq
+            g.allreduce(data[r].astype(np.int32), deterministic=True)
+        assert not g.poisoned  # refused before anything was sent
+        return a.tobytes(), b.tobytes(), m.tobytes(), g.seq
 
     out, err = run(4, body)
     assert err == [None] * 4
     assert len({o[0] for o in out} | {o[1] for o in out}) == 1
-    assert out[0][2] == 2  # one sequence number per deterministic allreduce
+    assert out[0][2] == np.max(np.stack(data), axis=0).tobytes()
+    assert out[0][3] == 3  # one sequence number per allreduce
 
 
 def test_plain_against_deterministic_is_a_mismatch_not_a_hang() -> None:

@@ -62,7 +62,7 @@ def test_every_schedule_equals_the_star_bitwise(mode: str | None, n: int) -> Non
         data = [rng.standard_normal(count).astype(np.float32) for _ in range(n)]
         want = star_bits(data, "mean")
         bufs = [d.copy() for d in data]
-        # Twice: the first call builds the engine, the second takes the compiled hot path.
+        # Twice: the first call builds the engine, the second takes the compiled engine.
         each_rank(n, lambda r, t: [direct_allreduce(t, refill(bufs[r], data[r]),
                                                     seq=s, mode=mode) for s in (1, 2)])
         assert all(b.tobytes() == want for b in bufs), (n, count, mode)
@@ -318,7 +318,7 @@ def test_alloc_reduces_in_place_without_a_copy_in() -> None:
     def rank(r: int, t: Any) -> tuple[bytes, bool]:
         arr = alloc(t, count, np.float32)
         assert arr.shape == (count,) and not arr.any()
-        win = t._group_window.cache["regions"][0]
+        win = t.shared_window.cache["regions"][0]
         assert np.shares_memory(arr, win.slot(r))
         arr[:] = np.arange(count, dtype=np.float32) * (r + 1)
         direct_allreduce(t, arr, op="sum", seq=1)
@@ -341,13 +341,13 @@ def test_alloc_buffers_take_the_hot_path_of_their_region_and_offset() -> None:
         plain = np.empty(count, np.float32)
         part = arr[64:64 + 1000]
         ok = []
-        for s in range(4):  # the first call of each builds its engine; the later ones run the hot path
+        for s in range(4):  # the first call of each builds its engine; the later ones run the engine's path
             for b, base in ((arr, 1.0), (plain, 2.0), (part, 3.0)):
                 b[:] = np.float32(base * (r + 1) + s)
                 direct_allreduce(t, b, op="sum", seq=3 * s + int(base))
                 ok.append(bool((b == np.float32(base * 3 + 2 * s)).all()))
             ok.append(bool((arr[64:1064] == np.float32(9 + 2 * s)).all() and (arr[:64] == 3 + 2 * s).all()))
-        return ok, list(t._group_window.cache["window-run"].fast)
+        return ok, list(t.shared_window.cache["window-run"].fast)
 
     for ok, keys in each_rank(n, rank):
         assert all(ok), ok

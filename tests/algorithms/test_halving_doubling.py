@@ -2,11 +2,10 @@
 
 The general path runs in every algorithm test (``ALLREDUCE`` holds it: world
 sizes 1-8, every op, counts 0 to 100,003, the Jidoka and mismatch cases).
-Here: the schedule itself, and over tcp the rounds that go through the
-transport's compiled exchange-and-reduce with a send array of their own
-(``Transport.exchange_reduce(..., send=)``), all of them in one call
-(``Transport.exchange_plan``). Every test of the step checks that it ran
-(``outcomes``).
+Here: the schedule itself, over tcp its rounds in one compiled call
+(``Rounds.exchange_plan``), and the compiled step with a send array of its
+own (``Rounds.exchange_reduce(..., send=)``) that such rounds are made of.
+Every test of the compiled code checks that it ran (``outcomes``).
 """
 
 from __future__ import annotations
@@ -125,8 +124,11 @@ def test_a_non_finite_input_names_its_rank_and_element_wherever_it_sits(worlds, 
     for r, e in enumerate(allreduce_all(ts, bufs, seq=9)):
         assert isinstance(e, NonFiniteError), (r, e)
         assert (e.contributor, e.index, e.seq, e.rank) == (1, at, 9, r), str(e)
-    # In the first piece of what it sends, rank 1 declines before a byte moves and checks as the frame does.
-    assert outcomes.count(DECLINED) == (1 if where == "first piece, sent" else 0)
+    # In the first piece of what it sends, rank 1's compiled call declines before a byte moves, and the guard's
+    # frame checks its input; elsewhere every rank's rounds run whole, carrying the marker.
+    declined = where == "first piece, sent"
+    assert outcomes.count(("rounds", 0)) == (1 if declined else 0) and DECLINED not in outcomes
+    assert outcomes.count(("rounds", 4)) == (3 if declined else 4)
 
 
 @needs_io

@@ -9,6 +9,7 @@ import numpy as np
 import pytest
 
 from gradcoll import kernels as K
+from gradcoll.algorithms import SCHEDULES
 from gradcoll.algorithms.low_precision import wire_allreduce
 from gradcoll.errors import NonFiniteError, UsageError
 from gradcoll.group.process_group import ProcessGroup
@@ -16,7 +17,7 @@ from gradcoll.kernels import lowp_reference as R
 from gradcoll.testing import gather_ranks
 from gradcoll.transport.inproc import create_world
 
-ALGOS = ("ring", "star", "recursive_doubling")
+ALGOS = tuple(name for name, s in SCHEDULES.items() if s.rows is not None)  # every schedule with a rows form
 U = {"bf16": 2.0**-8, "fp16": 2.0**-11}  # unit roundoff of the wire formats
 U32 = 2.0**-24
 WIRE_BACKENDS = ["numpy", "numba"] + [b for b in K.available_backends() if b in ("cython", "cudasim")]
@@ -212,7 +213,9 @@ def test_usage_errors() -> None:
     with pytest.raises(UsageError):
         wire_allreduce(t, np.ones(3, np.float32), wire="int8")
     with pytest.raises(UsageError):
-        wire_allreduce(t, np.ones(3, np.float32), wire="bf16", op="max")
+        wire_allreduce(t, np.ones(3, np.float32), wire="bf16", op="prod")
+    with pytest.raises(UsageError):
+        wire_allreduce(t, np.ones(3, np.float32), wire="bf16", algorithm="nope")
     with pytest.raises(UsageError):
         K.encode_wire(np.ones(3), wire="bf16")
 

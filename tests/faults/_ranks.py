@@ -62,7 +62,7 @@ def _arm_self_kill(transport: Any, after: int, conn: Any, sig: int = signal.SIGK
         from gradcoll.transport import tcp_rounds
 
         tcp_rounds.Runner.__call__ = wrap(tcp_rounds.Runner.__call__)  # type: ignore[method-assign]
-    win = getattr(transport, "_group_window", None)
+    win = getattr(transport, "shared_window", None)
     if win is not None:  # the direct allreduce: no transport call inside a collective, so die between two pieces
         from gradcoll.algorithms import _window_run
 

@@ -1,4 +1,4 @@
-"""The tcp group's fast path prepares a plain call once per size (``fastpath._Hot``, ``_planned.Prepared``).
+"""A tcp group prepares a plain call once per size (``algorithms.prepared``, its ``rounds`` route: ``_planned.Prepared``).
 
 A plain ``allreduce`` (a float32/float64 NumPy array, ``auto``, mean or sum)
 that ``auto`` sends to recursive doubling, halving-doubling or the ring
@@ -19,7 +19,7 @@ import numpy as np
 import pytest
 
 from gradcoll.algorithms import _planned
-from gradcoll.group import fastpath
+from gradcoll.group import process_group
 from gradcoll.group.process_group import ProcessGroup
 from gradcoll.testing import gather_ranks, threaded_group
 from gradcoll.transport import tcp, tcp_rounds
@@ -63,7 +63,8 @@ def test_each_size_is_prepared_once_and_its_calls_are_exact(n: int, monkeypatch)
     def fn(g: ProcessGroup) -> list[Any]:
         out = [exact(g, count, dt, op) for _ in range(3)
                for count, dt, op in ((1000, np.float32, "sum"), (300_000, np.float64, "sum"), (300_000, np.float64, "mean"))]
-        return [all(out), g.seq, g.stats().ops["allreduce"].count, len(g._lean)]
+        return [all(out), g.seq, g.stats().ops["allreduce"].count,
+                sum(p.route == "rounds" for p in g._prepared.values())]
 
     res = run(n, fn)
     assert res == [[True, 9, 9, 3]] * n, res
@@ -74,11 +75,11 @@ def test_each_size_is_prepared_once_and_its_calls_are_exact(n: int, monkeypatch)
 
 @needs_io
 def test_the_prepared_calls_stay_bounded(monkeypatch) -> None:
-    monkeypatch.setattr(fastpath, "_KEEP", 3)
+    monkeypatch.setattr(process_group, "_KEEP", 3)
 
     def fn(g: ProcessGroup) -> list[Any]:
         ok = [exact(g, count, np.float32) for count in (10, 20, 30, 40, 50, 10)]
-        return [all(ok), len(g._lean) <= 3]
+        return [all(ok), len(g._prepared) <= 3]
 
     assert run(4, fn) == [[True, True]] * 4
 

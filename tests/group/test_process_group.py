@@ -285,46 +285,48 @@ def test_the_fast_path_takes_the_deterministic_and_wire_variants_with_the_genera
             for count in (1000, 300_001):
                 a = rng.standard_normal(count).astype(dt)
                 b = a.copy()
-                for _ in range(2):  # the second call of a size runs the compiled hot path
+                for _ in range(2):  # the second call of a size runs the compiled engine
                     a[:] = b
                     g.allreduce(a, op="mean", **kw)
                 c = b.copy()
                 g.allreduce(c, op="mean", algorithm="direct", **kw)
                 out.append(a.tobytes() == c.tobytes())
-        with pytest.raises(UsageError):
-            g.allreduce(np.ones(8, np.float32), op="max", deterministic=True)
+        m = g.allreduce(np.full(8, g.rank, np.float32), op="max", deterministic=True)  # exact: the plain form
+        out.append(m.tolist() == [g.size - 1.0] * 8)
         with pytest.raises(UsageError):
             g.allreduce(np.ones(8, np.float64), wire_dtype="bf16")
         out.append((g.seq, g.poisoned, g.stats().ops["allreduce"].count))
         return out
 
     for res in ok(2, fn, timeout=60):
-        assert res[:-1] == [True] * 8, res
-        assert res[-1] == (24, False, 24)
+        assert res[:-1] == [True] * 9, res
+        assert res[-1] == (25, False, 25)
 
 
 @pytest.mark.timeout(120)
 @pytest.mark.parametrize("n,count", [(2, 1000), (4, 1000), (4, 300_000), (3, 300_000)])
 def test_the_tcp_fast_path_gives_what_the_general_path_gives(n: int, count: int, monkeypatch) -> None:
-    """A group over tcp sends the plain calls ``auto`` gives recursive doubling, halving-doubling or the ring
-    straight to it (``gradcoll.group.fastpath``), and so the calls that name it: the same bits, seqs, stats and
-    poisoning as the general path."""
-    from gradcoll.group import fastpath
+    """A group over tcp runs the plain mean and sum calls ``auto`` gives recursive doubling, halving-doubling or the
+    ring as one compiled call of all their rounds (the prepared allreduce's ``rounds`` route), and so the calls that
+    name it, whatever the buffer object, and async ones: the same bits, seqs, stats and poisoning as the guard's
+    path."""
+    from gradcoll.algorithms import _planned
     from gradcoll.testing import threaded_group
     from gradcoll.transport import tcp
 
     taken: list[int] = []
-    real = fastpath._Hot.__call__  # the prepared call of one size (its plan made once)
+    real = _planned.Prepared.__call__  # the compiled call of one size (its plan made once)
 
     def spy(self: Any, seq: int, *a: Any) -> Any:
         taken.append(seq)
         return real(self, seq, *a)
 
-    monkeypatch.setattr(fastpath._Hot, "__call__", spy)
+    monkeypatch.setattr(_planned.Prepared, "__call__", spy)
     groups = [ProcessGroup(t) for t in threaded_group(tcp.create, n, timeout=20)]
-    algos = {groups[0]._pick("auto", count * 4), groups[0]._pick("auto", count * 8)}
-    # the model's choice, one algorithm for both dtypes, and one the fast path takes (the ring in any group)
-    assert len(algos) == 1 and algos <= set(fastpath._STEPPED), algos
+    algos = {groups[0]._prepare((count, np.dtype(dt), "mean", "auto", True, None, False)).algorithm
+             for dt in (np.float32, np.float64)}
+    # the model's choice, one algorithm for both dtypes, and one that runs compiled (the ring in any group)
+    assert len(algos) == 1 and algos <= {"recursive_doubling", "halving_doubling", "ring"}, algos
     assert algos == {"recursive_doubling"} if count < 100_000 else algos != {"recursive_doubling"}
     name = algos.copy().pop()
 
@@ -335,13 +337,13 @@ def test_the_tcp_fast_path_gives_what_the_general_path_gives(n: int, count: int,
             a = rng.standard_normal(count).astype(dt)
             b, c = a.copy(), a.copy()
             g.allreduce(a)                                        # the fast path
-            g.allreduce(memoryview(b), algorithm=name)            # a buffer object: the general path, the same algorithm
-            g.allreduce(c, algorithm=name)                        # the fast path, by name
+            g.allreduce(memoryview(b), algorithm=name)            # a buffer object: the same prepared call
+            g.allreduce(c, algorithm=name)                        # by name
             out.append(a.tobytes() == b.tobytes() == c.tobytes())
         m = np.full(5, float(r))
         g.allreduce(m, op="max")                                  # another op: the general path
         out.append(m.tolist() == [n - 1.0] * 5)
-        w = g.allreduce(np.ones(3, np.float32), async_op=True)    # async: the general path
+        w = g.allreduce(np.ones(3, np.float32), async_op=True)    # async: a prepared call too
         out.append(w.wait(10).tolist() == [1.0] * 3)
         out.append((g.seq, g.stats().ops["allreduce"].count))
         bad = np.ones(count, np.float32)
@@ -357,7 +359,10 @@ def test_the_tcp_fast_path_gives_what_the_general_path_gives(n: int, count: int,
         assert errors == [None] * n, errors
         for res in results:
             assert res == [True, True, True, True, (8, 8), True], res
-        assert sorted(taken) == sorted([0, 2, 3, 5, 8] * n)  # float32, float64 (auto, named), the NaN call
+        # float32, float64 (auto, buffer object, named), async (recursive doubling), the NaN call; not max
+        tiny = groups[0]._prepare((3, np.dtype(np.float32), "mean", "auto", True, None, False)).route
+        want = [0, 1, 2, 3, 4, 5, 8] + ([7] if tiny == "rounds" else [])
+        assert sorted(taken) == sorted(want * n), taken
     finally:
         for g in groups:
             g.close()

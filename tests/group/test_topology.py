@@ -185,7 +185,7 @@ def _two_hosts(store: Any, rank: int, size: int, trace_dir: str) -> Any:
     out["two_level"] = bool(np.array_equal(x, np.arange(100_003, dtype=np.float64) * (size * (size + 1) // 2)))
     out["routed"] = g._routed.name if g._routed is not None else None
     # the 4 ranks share one machine whatever hosts GRADCOLL_HOST names: the shm links inside a "host" count them
-    out["crowd"] = (g._on_machine, getattr(getattr(g._routed, "local", None), "crowd", None))
+    out["crowd"] = (g._crowd, getattr(getattr(g._routed, "local", None), "crowd", None))
     y = np.full(1000, float(rank), np.float32)
     g.allreduce(y, algorithm="two_level")  # mean, now over the links built by the first call
     out["mean"] = float(y[0])
@@ -193,7 +193,7 @@ def _two_hosts(store: Any, rank: int, size: int, trace_dir: str) -> Any:
     z = np.ones(10, np.float32)
     host.allreduce(z, op="sum")
     out["host_group"] = (host.size, host.transport.name, float(z[0]), host.hosts)
-    out["host_group_crowd"] = (host._on_machine, host.transport.crowd)
+    out["host_group_crowd"] = (host._crowd, host.transport.crowd)
     host.close()
     out["ops"] = [r.algorithm for r in g.stats().recent if r.op == "allreduce"]
     out["rounds"] = list(rounds)

@@ -60,7 +60,7 @@ def test_gradcoll_direct_mode_forces_a_schedule(monkeypatch: pytest.MonkeyPatch)
         bufs = [d.copy() for d in data]
         try:
             _, errors = gather_ranks(lambda r: direct_allreduce(ts[r], bufs[r], seq=1), n)
-            plans = ts[0]._group_window.cache["window-run"].plans
+            plans = ts[0].shared_window.cache["window-run"].plans
         finally:
             for t in ts:
                 t.close()

@@ -1,4 +1,4 @@
-"""tcp's compiled small-message step (``gradcoll.transport.tcp_fast``) and the recursive doubling that uses it.
+"""tcp's compiled step (``gradcoll.transport.tcp_fast``), and the recursive doubling whose rounds run compiled.
 
 Ranks are threads over real tcp links (``threaded_group``), processes for a
 killed peer (the fault harness), or a raw socket playing the peer byte for
@@ -70,10 +70,8 @@ def pure_python(monkeypatch: Any) -> None:
 
 
 def steps(n: int) -> Counter[Any]:
-    """The outcomes of a healthy allreduce on ``n`` ranks (a power of two): its rounds in one call each on
-    more than 2 ranks, else one step per round."""
-    rounds = n.bit_length() - 1
-    return Counter({("rounds", rounds): n}) if rounds > 1 else Counter({REDUCED: n * rounds})
+    """The outcomes of a healthy allreduce on ``n`` ranks (a power of two): all its rounds in one call."""
+    return Counter({("rounds", n.bit_length() - 1): n})
 
 
 @pytest.fixture(scope="module")
@@ -129,7 +127,7 @@ def test_the_same_bits_as_the_general_path(worlds, outcomes, monkeypatch) -> Non
     stepped = [d.copy() for d in data]
     assert allreduce_all(ts, stepped, seq=1) == [None] * 4
     assert Counter(outcomes) == steps(4)
-    monkeypatch.setattr(tcp, "_IO", None)  # GRADCOLL_TCP_PURE_PYTHON=1: the engine in Python, the general path
+    pure_python(monkeypatch)  # GRADCOLL_TCP_PURE_PYTHON=1: the engine in Python, the general path
     general = [d.copy() for d in data]
     outcomes.clear()
     assert allreduce_all(ts, general, seq=2) == [None] * 4
@@ -143,7 +141,7 @@ def test_buffers_over_the_limit_and_other_sizes_take_the_general_path(worlds, ou
     ts = worlds(2)
     bufs = [np.full(big, r + 1.0, np.float32) for r in range(2)]
     assert allreduce_all(ts, bufs, op="sum") == [None] * 2
-    assert all((b == 3.0).all() for b in bufs) and outcomes == [DECLINED] * 2
+    assert all((b == 3.0).all() for b in bufs) and outcomes == [("rounds", 0)] * 2  # declined: the guard's path
     outcomes.clear()
     ts3 = worlds(3)  # not a power of two: fold and unfold steps, the general path's
     bufs = [np.full(10, r + 1.0, np.float32) for r in range(3)]
@@ -156,7 +154,7 @@ def test_a_secret_keeps_the_tagged_frames_on_their_own_path(outcomes) -> None:
     try:
         bufs = [np.full(64, r + 1.0) for r in range(2)]
         assert allreduce_all(ts, bufs, op="sum") == [None] * 2
-        assert all((b == 3.0).all() for b in bufs) and outcomes == [DECLINED] * 2
+        assert all((b == 3.0).all() for b in bufs) and outcomes == [("rounds", 0)] * 2  # declined: the guard's
     finally:
         for t in ts:
             t.close()
@@ -170,8 +168,8 @@ def test_a_nan_input_halts_every_rank_naming_it(worlds, outcomes) -> None:
     for r, e in enumerate(allreduce_all(ts, bufs, seq=7)):
         assert isinstance(e, NonFiniteError), (r, e)
         assert (e.contributor, e.index, e.seq, e.rank) == (2, 37, 7, r)
-    # rank 2's rounds in one call decline first; the others' rounds all run, carrying the NaN they met
-    assert outcomes.count(DECLINED) == 1 and outcomes.count(("rounds", 0)) == 1
+    # rank 2's rounds in one call decline (its guard's path runs them); the others' all run, carrying the NaN
+    assert DECLINED not in outcomes and outcomes.count(("rounds", 0)) == 1
     assert outcomes.count(("rounds", 2)) == 3
 
 
@@ -189,7 +187,7 @@ def test_large_buffers_take_the_step_with_the_general_paths_bits(worlds, outcome
     stepped = [d.copy() for d in data]
     assert allreduce_all(ts, stepped, seq=3) == [None] * n
     assert Counter(outcomes) == steps(n)
-    monkeypatch.setattr(tcp, "_IO", None)
+    pure_python(monkeypatch)
     general = [d.copy() for d in data]
     assert allreduce_all(ts, general, seq=4) == [None] * n
     assert all(a.tobytes() == general[0].tobytes() for a in stepped + general)
@@ -269,7 +267,7 @@ def test_an_overflow_in_the_compiled_reduce_halts_every_rank(worlds, outcomes) -
     bufs = [np.full(40, 3e38, np.float32) for _ in range(2)]
     for e in allreduce_all(ts, bufs, op="sum"):
         assert isinstance(e, NonFiniteError) and e.contributor is None and "overflowed" in str(e), e
-    assert outcomes == [NONFINITE] * 2
+    assert outcomes == [("rounds", 1)] * 2  # the round ran whole; its sum is the marker every rank reads
 
 
 @pytest.mark.parametrize("field", ["count", "dtype", "op"])

@@ -78,7 +78,7 @@ def test_the_compiled_frame_hands_the_links_back_as_the_engine_expects(two) -> N
     from gradcoll.transport import _tcp_io
 
     t, peers = two
-    assert isinstance(t.plan_runner((1, 2)).hot, _tcp_io.PlanCall)
+    assert isinstance(t.plan_runner((1, 2)).call, _tcp_io.PlanCall)
     x = np.ones(256, np.float32)
     peers[1].sendall(_frame(0, x))
     peers[2].sendall(_frame(0, x))
