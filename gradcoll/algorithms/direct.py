@@ -37,7 +37,7 @@ import functools
 import os
 import time
 from collections.abc import Hashable
-from typing import Any
+from typing import Any, cast
 
 import numpy as np
 
@@ -49,7 +49,7 @@ from ._guard import guarded_allreduce
 from ._window_plan import BF16, EXACT, FP16, OPS, PLAIN, describe, shape
 from ._window_run import failed, group_window, run, state
 
-__all__ = ["direct_allreduce", "engine_allreduce", "engine_variant", "variant_name", "VARIANT_NAMES", "direct_exact",
+__all__ = ["direct_allreduce", "WindowCall", "variant_name", "VARIANT_NAMES", "direct_exact",
            "direct_wire", "alloc", "one_shot_limit", "PIECE_BYTES", "SEG_BYTES"]
 
 #: One-shot: bytes per piece; two-shot: bytes per chunk per piece (pieces that stay in a core's cache).
@@ -103,39 +103,43 @@ def direct_allreduce(transport: Transport, buf: np.ndarray, *, op: str = "mean",
     return buf
 
 
-#: ``engine_allreduce``'s variants: (deterministic, wire_dtype) of a float32 buffer; float64 takes the first two.
-_HOT_VARIANTS = {(False, None): PLAIN, (True, None): EXACT, (False, "bf16"): BF16, (False, "fp16"): FP16}
+class WindowCall:
+    """The direct allreduce of one op, check and variant (``PLAIN``, ``EXACT``, ``BF16`` or ``FP16``) of plain C-contiguous float32/float64
+    arrays, prepared for repeated calls (a prepared allreduce's ``window`` route): ``call(seq, buf, timeout)``
+    goes straight into the window's compiled engine once it has one, and builds it (the guarded steps) where it
+    has not."""
 
+    __slots__ = ("t", "op", "code", "check", "ws", "backend", "variant", "name", "runner")
 
-def engine_variant(dtype: np.dtype[Any], op: str, deterministic: bool, wire: str | None) -> int | None:
-    """The window variant ``engine_allreduce`` runs for a native float32/float64 buffer, or None: the general path's."""
-    variant = _HOT_VARIANTS.get((deterministic, wire))
-    if variant is None or (variant != PLAIN and op not in ("mean", "sum")) or (variant >= BF16 and dtype.itemsize != 4):
-        return None
-    return variant
+    def __init__(self, transport: Transport, op: str, check_finite: bool, workspace: Workspace | None,
+                 backend: str | None, variant: int = PLAIN) -> None:
+        self.t, self.op, self.code, self.check, self.ws = transport, op, OPS[op], check_finite, workspace
+        self.backend, self.variant, self.name = backend, variant, _name(variant)
+        self.runner: Any = None  # the window's compiled engine, once it has one
 
-
-def engine_allreduce(seq: int, transport: Transport, buf: np.ndarray, op: str, check_finite: bool, timeout: float,
-                  workspace: Workspace | None, backend: str | None, variant: int = PLAIN) -> np.ndarray:
-    """The direct allreduce of a plain C-contiguous float32/float64 array (``variant``: ``engine_variant``'s),
-    positionally: the group's one-host fast path, straight into the compiled engine once it has its engine."""
-    win = transport.shared_window  # _hot's steps, one call fewer
-    runner = None if win is None or backend not in (None, "cython") else win.cache.get("window-run")
-    if win is not None and runner is not None and hasattr(runner, "fast"):
-        started = time.monotonic()
-        how = runner.allreduce(buf, OPS[op], check_finite, seq, timeout, variant)
-        if how is None:
-            return buf
-        if how is not NotImplemented:
-            failed(transport, win, _name(variant), seq, timeout, buf, how, started)
-    if variant == EXACT:
-        return direct_exact(transport, buf, op=op, check_finite=check_finite, seq=seq, timeout=timeout,
-                            backend=backend)
-    if variant != PLAIN:
-        return direct_wire(transport, buf, wire="bf16" if variant == BF16 else "fp16", op=op,
-                           check_finite=check_finite, seq=seq, timeout=timeout, backend=backend)
-    return direct_allreduce(transport, buf, op=op, check_finite=check_finite, seq=seq, timeout=timeout,
-                            workspace=workspace, backend=backend)
+    def __call__(self, seq: int, buf: np.ndarray, timeout: float) -> np.ndarray:
+        runner = self.runner
+        if runner is None and self.backend in (None, "cython") and self.t.shared_window is not None:
+            runner = self.t.shared_window.cache.get("window-run")
+            if runner is not None and hasattr(runner, "fast"):
+                self.runner = runner
+            else:
+                runner = None
+        if runner is not None:
+            started = time.monotonic()
+            how = runner.allreduce(buf, self.code, self.check, seq, timeout, self.variant)
+            if how is None:
+                return buf
+            if how is not NotImplemented:
+                failed(self.t, cast(Window, self.t.shared_window), self.name, seq, timeout, buf, how, started)
+        t, op, check, variant = self.t, self.op, self.check, self.variant
+        if variant == EXACT:
+            return direct_exact(t, buf, op=op, check_finite=check, seq=seq, timeout=timeout, backend=self.backend)
+        if variant != PLAIN:
+            return direct_wire(t, buf, wire="bf16" if variant == BF16 else "fp16", op=op, check_finite=check,
+                               seq=seq, timeout=timeout, backend=self.backend)
+        return direct_allreduce(t, buf, op=op, check_finite=check, seq=seq, timeout=timeout, workspace=self.ws,
+                                backend=self.backend)
 
 
 def direct_exact(transport: Transport, buf: np.ndarray, *, op: str, check_finite: bool, seq: int,

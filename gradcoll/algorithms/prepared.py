@@ -22,7 +22,7 @@ Preparing decides, in one place and once:
   (``gradcoll.algorithms.rows``).
 * **The route**, the one answer to "can this call go compiled?":
   ``window``, the shared window's engine in one C call
-  (``direct.engine_allreduce``); ``rounds``, every round in one call of the
+  (``direct.WindowCall``); ``rounds``, every round in one call of the
   transport's compiled rounds (``Transport.rounds``; ``_planned.Prepared``),
   with the schedule's guarded form for what that call declines; ``guarded``,
   the schedule's (or variant's) function in the guard's frame.
@@ -38,11 +38,11 @@ import numpy as np
 from ..errors import UsageError
 from ..transport.base import Transport
 from . import select_allreduce
-from ._common import OPS, REDUCE_DTYPES, Workspace, check_op
+from ._common import REDUCE_DTYPES, Workspace, check_op
 from ._planned import PLANNED, Guarded, Prepared, compiled_ok
 from ._window_plan import BF16, EXACT, FP16, PLAIN
 from .deterministic import EXACT_DTYPES, deterministic_allreduce
-from .direct import VARIANT_NAMES, engine_allreduce
+from .direct import VARIANT_NAMES, WindowCall
 from .low_precision import wire_allreduce, wire_of
 from .registry import schedule
 from .ring import SEGMENT_BYTES
@@ -146,12 +146,7 @@ def _pick(g: Group, algorithm: str, nbytes: int, windowed: bool) -> str:
 
 def _window(t: Transport, algo: str, op: str, check: bool, variant: int, ws: Workspace,
             backend: str | None) -> Allreduce:
-    code = op if op in OPS else check_op(op)
-
-    def run(seq: int, buf: np.ndarray, limit: float) -> np.ndarray:
-        return engine_allreduce(seq, t, buf, code, check, limit, ws, backend, variant)
-
-    return Allreduce(VARIANT_NAMES[variant], algo, "window", run)
+    return Allreduce(VARIANT_NAMES[variant], algo, "window", WindowCall(t, op, check, ws, backend, variant))
 
 
 def _rounds(plan: Prepared, guarded: Guarded, t: Transport, op: str, check: bool, ws: Workspace,
