@@ -4,6 +4,7 @@ VENV ?= .venv
 PY := $(VENV)/bin/python
 STAMP := $(VENV)/.gradcoll-installed
 SRC_DEPS := pyproject.toml setup.py gradcoll/kernels/_cython_kernels.pyx gradcoll/kernels/_fused.h gradcoll/kernels/_wide.h \
+	gradcoll/kernels/_window_kernels.h \
 	gradcoll/transport/_window_c.pyx gradcoll/transport/_window_c.pxd gradcoll/algorithms/_direct_c.pyx \
 	gradcoll/transport/_tcp_io.pyx
 

@@ -26,7 +26,8 @@ exts = [
               extra_compile_args=exact),
     Extension("gradcoll.transport._window_c", ["gradcoll/transport/_window_c.pyx"], extra_compile_args=exact),
     Extension("gradcoll.algorithms._direct_c", ["gradcoll/algorithms/_direct_c.pyx"],
-              include_dirs=[np.get_include()], define_macros=macros, depends=["gradcoll/kernels/_fused.h", "gradcoll/kernels/_wide.h"],
+              include_dirs=[np.get_include()], define_macros=macros,
+              depends=["gradcoll/kernels/_fused.h", "gradcoll/kernels/_wide.h", "gradcoll/kernels/_window_kernels.h"],
               extra_compile_args=exact + (["-Wno-unused-function"] if os.name != "nt" else [])),  # uses a few of _fused.h's
 ]
 

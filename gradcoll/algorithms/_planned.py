@@ -16,6 +16,7 @@ from __future__ import annotations
 import array
 import math
 import time
+import weakref
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any
@@ -74,6 +75,8 @@ PLANNED: dict[str, tuple[Schedule, Rest, Guarded]] = {}
 
 #: How many prepared calls a transport keeps (sizes, dtypes, ops); more clears them.
 _KEEP = 64
+#: ``prepared``'s calls, per transport (held here, not on the transport: it is the algorithms' state).
+_PLANS: weakref.WeakKeyDictionary[Transport, dict[Any, Prepared]] = weakref.WeakKeyDictionary()
 
 
 def register(sched: Schedule, rest: Rest, guarded: Guarded) -> None:
@@ -159,7 +162,9 @@ def prepared(t: Transport, sched: Schedule, rest: Rest, count: int, dtype: np.dt
              check: bool) -> Prepared:
     """The transport's ``Prepared`` call of ``sched`` on ``count`` elements of ``dtype`` (kept per transport)."""
     key = (sched.algo, count, dtype, op, check)
-    cache: dict[Any, Prepared] = t.__dict__.setdefault("_prepared_plans", {})
+    cache = _PLANS.get(t)
+    if cache is None:
+        cache = _PLANS[t] = {}
     got = cache.get(key)
     if got is None:
         if len(cache) >= _KEEP:

@@ -44,6 +44,7 @@ import dataclasses
 import functools
 import math
 import time
+import weakref
 from collections.abc import Callable, Hashable, Sequence
 from typing import Any
 
@@ -221,6 +222,10 @@ def _compiled(coll: Coll, flat: np.ndarray, opts: Options) -> bool:
 _KEEP = 64
 
 
+#: The leaders' plans, per transport (held here, not on the transport: they are the algorithm's state).
+_LEADERS: weakref.WeakKeyDictionary[Transport, dict[Any, "_LeadersPlan"]] = weakref.WeakKeyDictionary()
+
+
 class _LeadersPlan:
     """A leaders' plan in the group's numbering, built once per transport, shape and op (``_leaders_plan``): the
     plan, its peers and sources as group ranks, and the chunks' first elements (the markers): building the
@@ -239,7 +244,9 @@ def _leaders_plan(coll: Leaders, kind: str, flat: np.ndarray, opts: Options, bui
     """``build()``'s plan for these leaders and this call's shape and op, kept on the transport (its rounds' tags
     and links are written at every call, as the group's prepared calls do)."""
     key = (kind, coll.rank, tuple(coll.members), flat.size, flat.dtype, opts.op == "mean")
-    cache: dict[Any, _LeadersPlan] = coll.t.__dict__.setdefault("_leaders_plans", {})
+    cache = _LEADERS.get(coll.t)
+    if cache is None:
+        cache = _LEADERS[coll.t] = {}
     got = cache.get(key)
     if got is None:
         if len(cache) >= _KEEP:

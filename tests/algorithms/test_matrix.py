@@ -10,7 +10,7 @@ Ranks are threads over real transports (inproc, tcp on 127.0.0.1, shm), one grou
 reused across combinations and rebuilt only after one poisons it. The algorithms are read from
 ``gradcoll.algorithms.ALLREDUCE`` at run time. A *cell* (op, dtype, wire, deterministic, count) runs every algorithm
 on the same inputs in turn. By default a seeded sample runs: every algorithm under every (wire_dtype, deterministic)
-variant at least once on tcp and on shm, plus ``GRADCOLL_MATRIX_CELLS`` (12) random cells per group; ``GRADCOLL_MATRIX_SEED``
+variant at least once on tcp and on shm, plus ``GRADCOLL_MATRIX_CELLS`` (4) random cells per group; ``GRADCOLL_MATRIX_SEED``
 picks another sample, and ``GRADCOLL_MATRIX=full`` (``make matrix``) runs all of it. Failures are collected per group
 and listed by cause.
 """
@@ -41,7 +41,7 @@ from gradcoll.transport.base import Transport
 
 FULL = os.environ.get("GRADCOLL_MATRIX", "") == "full"
 SEED = int(os.environ.get("GRADCOLL_MATRIX_SEED", "47"))
-SAMPLE = int(os.environ.get("GRADCOLL_MATRIX_CELLS", "12"))  # random cells per group in the sample
+SAMPLE = int(os.environ.get("GRADCOLL_MATRIX_CELLS", "4"))  # random cells per group in the sample
 CREATE: dict[str, Callable[..., Transport]] = {"inproc": inproc.create, "tcp": tcp.create, "shm": shm.create}
 OPTIONS: dict[str, dict[str, Any]] = {"shm": {"ring_bytes": 1 << 16}}  # as the other shm tests
 WORLDS = (1, 2, 3, 4, 5)

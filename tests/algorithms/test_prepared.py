@@ -99,7 +99,7 @@ def test_deterministic_gives_the_same_bits_under_every_schedule_the_group_can_ru
     names = [a for a, s in SCHEDULES.items() if s.needs != "window" or transport == "shm"] + ["auto"]
 
     def fn(g: ProcessGroup) -> list[bytes]:
-        x = np.random.default_rng(7 + g.rank).standard_normal(70_001).astype(np.float32) * 2.0 ** g.rank
+        x = np.random.default_rng(7 + g.rank).standard_normal(20_001).astype(np.float32) * 2.0 ** g.rank
         out = []
         for algo in names:
             for wire in (None, "bf16"):
