@@ -42,6 +42,8 @@ so do the rounds after one that stopped early.
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 import numpy as np
 
 from ..transport.base import Transport
@@ -114,6 +116,14 @@ def hd_pass(coll: Coll, flat: np.ndarray, opts: Options, divisor: int | None = N
         coll.sendrecv(rank_of(pv), flat[c:d], tmp[: b - a], rs)
         if b > a:
             combine(flat[a:b], tmp[: b - a], k == rounds - 1)
+    _share(coll, flat, plan, bounds, base, rank_of, ag, unfold, r, done)
+
+
+def _share(coll: Coll, flat: np.ndarray, plan: list[tuple[int, int, int, int, int]], bounds: list[int], base: int,
+           rank_of: Callable[[int], int], ag: int, unfold: int, r: int, done: int = 0) -> None:
+    """Both forms' end: the allgather rounds (the reduce-scatter's backwards, from round ``done`` of all ``2 log2
+    p``), then the result to the rank that sat out."""
+    rounds, me = len(plan), coll.rank
     for k in range(rounds - 1, -1, -1):
         if 2 * rounds - 1 - k < done:
             continue
@@ -191,10 +201,4 @@ def hd_rows(coll: Coll, call: RowsCall) -> None:
         held, lo, hi, off = kept, nlo, nhi, bounds[klo]
     if rounds:
         call.rows.reduce(held, data[off: off + held.shape[1]])
-    for k in range(rounds - 1, -1, -1):
-        pv, klo, khi, slo, shi = plan[k]
-        coll.step = base + 2 * rounds - k
-        coll.sendrecv(rank_of(pv), data[bounds[klo]: bounds[khi]], data[bounds[slo]: bounds[shi]], ag)
-    if me < 2 * r:
-        coll.step = coll.steps
-        coll.send(me - 1, data, unfold)
+    _share(coll, data, plan, bounds, base, rank_of, ag, unfold, r)
