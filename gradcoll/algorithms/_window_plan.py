@@ -33,7 +33,7 @@ from typing import Any
 
 import numpy as np
 
-from ..kernels import exact_reference, lowp_reference
+from ..kernels import exact_reference, lowp_reference, reference
 from ..transport.base import Window
 from ._common import chunk_bounds
 from ._handshake import RECORD_SIZE, Record, pack, unpack, with_status
@@ -105,7 +105,8 @@ class Shape:
         ``_window_py.PyPlan``, passed in so that this module does not import the one that imports it)."""
         dt = self.dtype
         divisor = float(self.n) if self.op == OPS["mean"] else 1.0
-        recip = 1.0 / divisor if math.frexp(divisor)[0] == 0.5 else 0.0
+        mode, factor = reference.finish(divisor, dt)  # the one rule: multiply only where it is exact in dt
+        recip = factor if mode == reference.MUL else 0.0
         exact = exact_reference.params(dt, self.n) if self.variant == EXACT else (0, 0, 0)
         table = lowp_reference.fp16_table() if self.variant == FP16 else None
         limit = _LIMIT.get(dt, math.inf)

@@ -30,7 +30,7 @@ import numpy as np
 from numba import njit, types
 from numba.extending import intrinsic
 
-from . import exact_reference
+from . import exact_reference, reference
 
 NAME = "numba"
 
@@ -134,7 +134,8 @@ def exact_reduce(own: np.ndarray, rows: np.ndarray, out: np.ndarray, divisor: fl
 
     The same bits as ``gradcoll.kernels.exact_reference.exact_reduce`` (same arguments), in one fused pass.
     """
-    tail = (float(divisor), _LIMIT[own.dtype], 1.0 / divisor if math.frexp(divisor)[0] == 0.5 else 0.0)
+    mode, factor = reference.finish(divisor, np.dtype(np.float64))  # the kernel divides the float64 sum
+    tail = (float(divisor), _LIMIT[own.dtype], factor if mode == reference.MUL else 0.0)
     if rows.shape[0] == 1:
         flag = reduce_pair(own, rows[0], out, *tail)
     else:
