@@ -1,6 +1,6 @@
 """The halving-doubling allreduce of a power-of-two group in one compiled call (``halving_doubling_allreduce``'s
 fast path): its schedule, and the plan of its rounds for ``_planned.run_plan`` (every round of the
-reduce-scatter and the allgather in one ``Transport.exchange_plan`` call; a round that stopped early was
+reduce-scatter and the allgather in one ``Rounds.exchange_plan`` call; a round that stopped early was
 finished by the engine, and the rounds after it run as the guard's body runs them, ``hd_pass`` with the
 compiled step).
 """

@@ -1,9 +1,9 @@
 """An allreduce whose every round runs in one compiled call, in the guard's frame without its happy-path costs.
 
-``run_plan`` is the frame shared by halving-doubling's plan (``_hd_planned``) and the ring's
-(``ring.ring_allreduce``), as ``recursive_doubling._stepped`` is recursive doubling's: the same descriptor tag
-as the guard (so a rank on the general path meets the same frames), every round in one
-``Transport.exchange_plan`` call (tcp's), the input's finite check inside its first round, and the guard's
+``run_plan`` is the frame shared by the plans of halving-doubling (``_hd_planned``), the ring and recursive
+doubling: the same descriptor tag as the guard (so a rank on the general path meets the same frames), every
+round in one ``Rounds.exchange_plan`` call (the transport's declared capability, ``Transport.rounds``: tcp's),
+the input's finite check inside its first round, and the guard's
 marker check on the result (the first element of every chunk). A call the transport declines before a byte
 moves (another thread's work queued, a secret on a link, an input not finite in its first piece) goes to the
 guard. A round that stopped early was finished by the engine, and the rounds after it run as the guard's body
